@@ -1,0 +1,1 @@
+"""Conversions to and from other frameworks' sharding objects (optional extras)."""

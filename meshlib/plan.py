@@ -1,0 +1,277 @@
+"""`Plan`: the frozen record of how a model runs on a mesh.
+
+It holds the mesh, each tensor's spec, and typed room for what the compiler
+and runtime add: every collective with its provenance and bytes, pipeline
+stages, the schedule, the ZeRO level, precision, recompute and memory.
+It round-trips through JSON exactly, diffs readably, and prints as a table.
+
+Example:
+    >>> plan = Plan(Mesh(dp=2, tp=2), specs={"w": P("tp", None)})
+    >>> Plan.from_json(plan.to_json()) == plan
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ._table import Table, human_bytes
+from .mesh import Mesh
+from .spec import P
+
+__all__ = ["Plan", "Collective", "Stage", "Boundary", "Precision", "Memory", "COLLECTIVE_KINDS"]
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
+PHASES = ("forward", "backward", "optimizer", "step")
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective per step: what, over which axes, how many bytes, and why."""
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: int  # logical bytes per rank per occurrence
+    node: str = ""  # the graph node it serves
+    op: str = ""  # the op that needed it
+    source: str = ""  # file:line of the user code
+    reason: str = ""  # the rule or placement change that put it there
+    phase: str = "forward"
+    count: int = 1  # occurrences per step (microbatches, layers folded together)
+
+    def __post_init__(self):
+        if self.kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"collective kind {self.kind!r} is not one of {COLLECTIVE_KINDS}")
+        if self.phase not in PHASES:
+            raise ValueError(f"collective phase {self.phase!r} is not one of {PHASES}")
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes * self.count
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """An activation that crosses a pipeline stage boundary, per microbatch."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One pipeline stage (or chunk, when interleaved): what runs there and what it sends on."""
+
+    index: int
+    rank: int  # pp coordinate that runs it
+    modules: tuple[str, ...]
+    cost: float = 0.0
+    sends: tuple[Boundary, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    param: str = "float32"
+    reduce: str = "float32"
+    output: str = "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Bytes per rank."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    peak: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    mesh: Mesh
+    specs: tuple[tuple[str, P], ...] = ()
+    collectives: tuple[Collective, ...] = ()
+    stages: tuple[Stage, ...] = ()
+    schedule: str = ""
+    microbatches: int = 1
+    zero: int = 0
+    precision: Precision = field(default_factory=Precision)
+    recompute: str = "none"
+    uneven: str = "error"
+    memory: Memory | None = None
+    notes: tuple[tuple[str, str], ...] = ()  # e.g. ("trace", "fx"), ("model", "llama-7b")
+
+    def __post_init__(self):
+        _set = object.__setattr__
+        if isinstance(self.specs, Mapping):
+            _set(self, "specs", tuple(self.specs.items()))
+        if isinstance(self.notes, Mapping):
+            _set(self, "notes", tuple(self.notes.items()))
+        for name in ("collectives", "stages"):
+            _set(self, name, tuple(getattr(self, name)))
+        for path, spec in self.specs:
+            if not isinstance(spec, P):
+                raise TypeError(f"Plan spec for {path!r} is {spec!r}, not a P")
+
+    # -- views ----------------------------------------------------------------
+    @property
+    def spec_map(self) -> dict[str, P]:
+        return dict(self.specs)
+
+    @property
+    def note_map(self) -> dict[str, str]:
+        return dict(self.notes)
+
+    def replace(self, **changes) -> Plan:
+        return dataclasses.replace(self, **changes)
+
+    def comm_bytes(self, *, kind: str | None = None, axes: tuple[str, ...] | None = None) -> int:
+        """Logical bytes per rank per step, optionally for one kind or axis group."""
+        return sum(
+            c.total_bytes
+            for c in self.collectives
+            if (kind is None or c.kind == kind) and (axes is None or c.axes == tuple(axes))
+        )
+
+    # -- JSON -------------------------------------------------------------------
+    def to_json(self, **dumps) -> str:
+        return json.dumps(_encode(self), **dumps)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return _decode(Plan, json.loads(text))
+
+    # -- tables -----------------------------------------------------------------
+    def tables(self) -> list[Table]:
+        settings = [
+            ("mesh", repr(self.mesh)),
+            ("zero", self.zero),
+            ("precision", f"param {self.precision.param}, reduce {self.precision.reduce}, output {self.precision.output}"),
+            ("recompute", self.recompute),
+            ("uneven", self.uneven),
+        ]
+        if self.schedule:
+            settings.append(("schedule", f"{self.schedule}, {self.microbatches} microbatches"))
+        settings += list(self.notes)
+        out = [Table("plan", ("setting", "value"), settings)]
+        out.append(Table("layouts", ("tensor", "spec"), [(p, repr(s)) for p, s in self.specs]))
+        if self.collectives:
+            rows = [
+                (c.phase, c.kind, ",".join(c.axes), human_bytes(c.bytes), c.count, c.node, c.op, c.source, c.reason)
+                for c in self.collectives
+            ]
+            total = human_bytes(self.comm_bytes())
+            out.append(
+                Table(
+                    "collectives per step",
+                    ("phase", "kind", "axes", "bytes/rank", "count", "node", "op", "source", "why"),
+                    rows,
+                    f"total {total} per rank per step",
+                )
+            )
+        if self.stages:
+            rows = [
+                (s.index, s.rank, _span(s.modules), f"{s.cost:.3g}", "; ".join(f"{b.name} {b.shape} {human_bytes(b.bytes)}" for b in s.sends))
+                for s in self.stages
+            ]
+            out.append(Table("pipeline stages", ("stage", "pp rank", "modules", "cost", "sends per microbatch"), rows))
+        if self.memory is not None:
+            m = self.memory
+            rows = [(k, human_bytes(getattr(m, k))) for k in ("params", "grads", "optimizer", "activations", "peak")]
+            out.append(Table("memory per rank", ("what", "bytes"), rows))
+        return out
+
+    def __str__(self) -> str:
+        return "\n\n".join(t.to_text() for t in self.tables())
+
+    def __rich__(self):
+        from rich.console import Group
+
+        return Group(*(t.__rich__() for t in self.tables()))
+
+    def _repr_html_(self) -> str:
+        return "".join(t._repr_html_() for t in self.tables())
+
+    def diff(self, other: Plan) -> str:
+        """What changes from this plan to `other`, one line each ('' when equal)."""
+        return plan_diff(self, other)
+
+
+def _span(modules: tuple[str, ...]) -> str:
+    return modules[0] if len(modules) == 1 else f"{modules[0]} .. {modules[-1]} ({len(modules)})" if modules else ""
+
+
+def plan_diff(a: Plan, b: Plan) -> str:
+    lines = []
+    for f in dataclasses.fields(Plan):
+        if f.name in ("specs", "collectives"):
+            continue
+        va, vb = getattr(a, f.name), getattr(b, f.name)
+        if va != vb:
+            lines.append(f"~ {f.name}: {va!r} -> {vb!r}")
+    sa, sb = a.spec_map, b.spec_map
+    for path in sa.keys() | sb.keys():
+        if path not in sb:
+            lines.append(f"- spec {path}: {sa[path]!r}")
+        elif path not in sa:
+            lines.append(f"+ spec {path}: {sb[path]!r}")
+        elif sa[path] != sb[path]:
+            lines.append(f"~ spec {path}: {sa[path]!r} -> {sb[path]!r}")
+    ca, cb = _comm_summary(a), _comm_summary(b)
+    for key in sorted(ca.keys() | cb.keys()):
+        (na, ba), (nb, bb) = ca.get(key, (0, 0)), cb.get(key, (0, 0))
+        if (na, ba) != (nb, bb):
+            phase, kind, axes = key
+            lines.append(
+                f"~ {phase} {kind} over {axes or '-'}: {na} x -> {nb} x, "
+                f"{human_bytes(ba)} -> {human_bytes(bb)} per rank per step"
+            )
+    return "\n".join(sorted(lines, key=lambda s: s[2:]))
+
+
+def _comm_summary(plan: Plan) -> dict:
+    out: dict = {}
+    for c in plan.collectives:
+        key = (c.phase, c.kind, ",".join(c.axes))
+        n, b = out.get(key, (0, 0))
+        out[key] = (n + c.count, b + c.total_bytes)
+    return out
+
+
+# -- a small typed JSON codec for the records above ---------------------------------
+def _encode(value):
+    if isinstance(value, (Mesh, P)):
+        return value.to_json()
+    if dataclasses.is_dataclass(value):
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(tp, data):
+    if data is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [t for t in typing.get_args(tp) if t is not type(None)]
+        return _decode(inner[0], data)
+    if tp in (Mesh, P):
+        return tp.from_json(data)
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return tp(**{k: _decode(hints[k], v) for k, v in data.items()})
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], v) for v in data)
+        return tuple(_decode(t, v) for t, v in zip(args, data))
+    return data
