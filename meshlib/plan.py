@@ -215,6 +215,8 @@ def plan_diff(a: Plan, b: Plan) -> str:
         if f.name in ("specs", "collectives"):
             continue
         va, vb = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "notes":
+            va, vb = dict(va), dict(vb)
         if va != vb:
             lines.append(f"~ {f.name}: {va!r} -> {vb!r}")
     sa, sb = a.spec_map, b.spec_map

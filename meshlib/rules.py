@@ -3,7 +3,7 @@
 `path` is the dotted name of a leaf (`layers.3.attn.wq.weight`); `leaf` is the
 tensor or any object with `.shape` and `.dtype`, so a rule may depend on both.
 A rule returns `None` when the leaf is not its business; `compose` tries rules
-in order and `tree.specs` raises for a leaf no rule claims.
+in order and `apply_rules` raises for a leaf no rule claims.
 
 - `pattern_rules`: a table of glob or regex patterns over dotted paths.
 - `logical_rules`: Flax's logical axis rules (ordered; first unused mesh axis wins).
@@ -85,9 +85,11 @@ class LogicalRules:
     used by another dim. Dims left unassigned are replicated.
     """
 
-    __slots__ = ("rules",)
+    __slots__ = ("rules", "strict")
 
-    def __init__(self, rules: Mapping[str, MeshAxes] | Iterable[tuple[str, MeshAxes]]) -> None:
+    def __init__(
+        self, rules: Mapping[str, MeshAxes] | Iterable[tuple[str, MeshAxes]], *, strict: bool = False
+    ) -> None:
         pairs = tuple(rules.items() if isinstance(rules, Mapping) else rules)
         for pair in pairs:
             if len(pair) != 2 or not isinstance(pair[0], str):
@@ -96,22 +98,31 @@ class LogicalRules:
                 if not isinstance(axis, str):
                     raise TypeError(f"logical rule {pair!r}: mesh axes are str, got {axis!r}")
         object.__setattr__(self, "rules", tuple((name, _normal(axes)) for name, axes in pairs))
+        object.__setattr__(self, "strict", bool(strict))
 
     def __setattr__(self, name, value):
         raise AttributeError("LogicalRules is frozen")
 
     def __eq__(self, other):
-        return isinstance(other, LogicalRules) and self.rules == other.rules
+        return isinstance(other, LogicalRules) and (self.rules, self.strict) == (other.rules, other.strict)
 
     def __hash__(self):
-        return hash(self.rules)
+        return hash((self.rules, self.strict))
 
     def __repr__(self) -> str:
-        return f"logical_rules({list(self.rules)!r})"
+        return f"logical_rules({list(self.rules)!r}{', strict=True' if self.strict else ''})"
 
     def mesh_axes(self, names: Sequence[str | None]) -> list[MeshAxes]:
         """Flax's `logical_to_mesh_axes` for one tensor's logical dim names."""
         named = [n for n in names if n is not None]
+        if self.strict:
+            known = {name for name, _ in self.rules}
+            unknown = [n for n in named if n not in known]
+            if unknown:
+                raise ValueError(
+                    f"logical dim names {unknown} have no rule (strict=True); known names: "
+                    f"{sorted(known)}. Fix: add a rule, e.g. {{{unknown[0]!r}: None}} to replicate"
+                )
         dups = sorted({n for n in named if named.count(n) > 1})
         if dups:
             raise ValueError(f"logical dim names {dups} occur more than once in {tuple(names)}")
@@ -145,9 +156,17 @@ def _normal(axes: MeshAxes) -> MeshAxes:
     return axes
 
 
-def logical_rules(rules: Mapping[str, MeshAxes] | Iterable[tuple[str, MeshAxes]]) -> LogicalRules:
-    """Flax-style logical axis rules, e.g. `{"batch": "dp", "heads": "tp", "embed": None}`."""
-    return rules if isinstance(rules, LogicalRules) else LogicalRules(rules)
+def logical_rules(
+    rules: Mapping[str, MeshAxes] | Iterable[tuple[str, MeshAxes]], /, *, strict: bool = False
+) -> LogicalRules:
+    """Flax-style logical axis rules, e.g. `{"batch": "dp", "heads": "tp", "embed": None}`.
+
+    Names without a rule are replicated, as in Flax; `strict=True` raises for them
+    instead, which catches a misspelt dim name.
+    """
+    if isinstance(rules, LogicalRules):
+        return rules if not strict or rules.strict else LogicalRules(rules.rules, strict=True)
+    return LogicalRules(rules, strict=strict)
 
 
 # -- einops-style dim names ----------------------------------------------------------
@@ -204,10 +223,13 @@ class PatternRules:
         _set(self, "logical", None if logical is None else logical_rules(logical))
         _set(self, "default", default)
         _set(self, "_compiled", tuple((_compile(k), k, v) for k, v in self.table))
-        for _, pattern, value in self._compiled:
+        named = [(pattern, value) for _, pattern, value in self._compiled]
+        if default is not _MISSING:
+            named.append(("default", default))
+        for pattern, value in named:
             if isinstance(value, str) and self.logical is None:
                 raise ValueError(
-                    f"pattern {pattern!r} maps to dim names {value!r}, which need logical "
+                    f"{pattern!r} maps to dim names {value!r}, which need logical "
                     "rules. Fix: pass logical={...}, or give a P"
                 )
 
@@ -276,6 +298,11 @@ def compose(*rules: Rule, default: Any = _MISSING) -> Rule:
     """A rule that asks each rule in turn; the first answer that is not `None` wins."""
     if not rules:
         raise ValueError("compose needs at least one rule")
+    if isinstance(default, str):
+        raise TypeError(
+            f"compose(default={default!r}): dim names need logical rules, which compose does not "
+            "have. Fix: give a P, or put the names in a pattern_rules(..., logical=...) default"
+        )
 
     def composed(path: str, leaf: Any = None) -> P | None:
         for rule in rules:

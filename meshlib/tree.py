@@ -160,6 +160,10 @@ def unflatten_dotted(flat: Mapping[str, Any], like: Any = None) -> Any:
     return out
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 # -- spec trees --------------------------------------------------------------------
 def apply_rules(tree: Any, rule: Callable[[str, Any], P | None], /) -> Any:
     """A tree of `P`, the structure of `tree`, from `rule(path, leaf)`.
@@ -187,7 +191,7 @@ def apply_rules(tree: Any, rule: Callable[[str, Any], P | None], /) -> Any:
         shown = ", ".join(unmatched[:10]) + (f" and {len(unmatched) - 10} more" if len(unmatched) > 10 else "")
         errors.insert(
             0,
-            f"{len(unmatched)} leaves match no rule ({describe(rule)}): {shown}. "
+            f"no rule ({describe(rule)}) matches {_count(len(unmatched), 'leaf', 'leaves')}: {shown}. "
             "Fix: add a pattern for them, or give the rules a default=P()",
         )
     if errors:
@@ -212,5 +216,5 @@ def tree_shardings(tree: Any, specs: Any, mesh: Mesh, /, *, uneven: str = "error
             continue
         out.append(sharding)
     if errors:
-        raise ValueError(f"{len(errors)} specs do not fit {mesh!r}:\n  " + "\n  ".join(errors))
+        raise ValueError(f"{_count(len(errors), 'spec', 'specs')} cannot be laid out on {mesh!r}:\n  " + "\n  ".join(errors))
     return optree.tree_unflatten(treespec, out)

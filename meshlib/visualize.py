@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Sequence
 
 from .mesh import Mesh
-from .sharding import NamedSharding
+from .sharding import NamedSharding, _block_index
 from .spec import P
 
 __all__ = ["layout", "Layout"]
@@ -57,9 +57,12 @@ class Layout:
         self.sharding = sharding
         self.shape = tuple(shape)
         rank_slices = sharding.rank_indices(self.shape)
+        # A block is (start, stop, block number) per dim: under uneven="chunk" several
+        # empty blocks share (n, n) but are different blocks, held by different ranks.
+        index = [_block_index(sharding.mesh, sharding.spec.dim_axes(d)) for d in range(len(self.shape))]
         self.blocks: dict[tuple, list[int]] = {}
         for rank, slices in enumerate(rank_slices):
-            key = tuple(s.indices(n)[:2] for s, n in zip(slices, self.shape))
+            key = tuple(s.indices(n)[:2] + (ix[rank],) for s, n, ix in zip(slices, self.shape, index))
             self.blocks.setdefault(key, []).append(rank)
         nd = len(self.shape)
         self.grid_dims = tuple(range(max(0, nd - 2), nd))
@@ -70,7 +73,7 @@ class Layout:
     def title(self) -> str:
         return f"{self.sharding!r} on shape {self.shape}"
 
-    def _label(self, dim: int, cut: tuple[int, int]) -> str:
+    def _label(self, dim: int, cut: tuple[int, int, int]) -> str:
         return f"dim {dim} [{cut[0]}:{cut[1]}]"
 
     def panels(self):
@@ -100,8 +103,10 @@ class Layout:
         return "#ffffff"
 
     def _empty_note(self) -> str:
-        empty = [r for k, rs in self.blocks.items() if any(a == b for a, b in k) for r in rs]
-        return f"ranks {_ranks_text(sorted(empty))} hold empty blocks" if empty else ""
+        empty = sorted(r for k, rs in self.blocks.items() if any(a == b for a, b, _ in k) for r in rs)
+        if not empty:
+            return ""
+        return f"rank {empty[0]} holds an empty block" if len(empty) == 1 else f"ranks {_ranks_text(empty)} hold empty blocks"
 
     def __str__(self) -> str:
         out = [self.title]
@@ -154,10 +159,17 @@ class Layout:
         return "".join(out)
 
 
-def layout(sharding: NamedSharding | Mesh, shape_or_spec: Sequence[int] | P, shape: Sequence[int] | None = None, /) -> Layout:
-    """`layout(sharding, shape)` or `layout(mesh, spec, shape)`: the picture of a layout."""
+def layout(
+    sharding: NamedSharding | Mesh,
+    shape_or_spec: Sequence[int] | P,
+    shape: Sequence[int] | None = None,
+    /,
+    *,
+    uneven: str = "error",
+) -> Layout:
+    """`layout(sharding, shape)` or `layout(mesh, spec, shape, uneven=...)`: the picture of a layout."""
     if isinstance(sharding, Mesh):
         if shape is None:
             raise TypeError("layout(mesh, spec, shape) needs the shape")
-        return Layout(NamedSharding(sharding, shape_or_spec), shape)
+        return Layout(NamedSharding(sharding, shape_or_spec, uneven=uneven), shape)
     return Layout(sharding, shape_or_spec)

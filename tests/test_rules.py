@@ -97,3 +97,15 @@ def test_compose_first_match_wins():
     assert rule("l.wo.weight", W) == P()
     assert rule("l.scale", W) == P("dp")
     assert compose(specific)("l.bias", W) is None
+
+
+def test_strict_logical_rules_catch_typos_and_defaults_are_checked_early():
+    rule = pattern_rules({"a": "heads embed"}, logical=logical_rules({"head": "tp", "embed": None}, strict=True))
+    with pytest.raises(ValueError, match=r"logical dim names \['heads'\] have no rule \(strict=True\)"):
+        rule("a", W)
+    assert pattern_rules({"a": "heads embed"}, logical={"head": "tp"})("a", W) == P(None, None)  # Flax: replicated
+    with pytest.raises(ValueError, match="'default' maps to dim names 'heads embed', which need logical rules"):
+        pattern_rules({}, default="heads embed")
+    with pytest.raises(TypeError, match="compose\\(default='heads embed'\\)"):
+        compose(pattern_rules({}), default="heads embed")
+    assert pattern_rules({}, default="heads embed", logical={"heads": "tp"})("x", W) == P("tp", None)

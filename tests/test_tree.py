@@ -71,7 +71,7 @@ def test_apply_rules_keeps_structure():
 
 def test_unmatched_and_bad_specs_are_all_named():
     tree = _tree()
-    with pytest.raises(ValueError, match=r"6 leaves match no rule \(patterns '\*\*\.kernel'\): embed\.0, layers\.0\.attn\.bias"):
+    with pytest.raises(ValueError, match=r"no rule \(patterns '\*\*\.kernel'\) matches 6 leaves: embed\.0, layers\.0\.attn\.bias"):
         apply_rules(tree, pattern_rules({"**.kernel": P()}))
     with pytest.raises(ValueError, match=r"layers\.0\.norm: spec P\('dp', 'tp'\) has 2 entries but the tensor has rank 1"):
         apply_rules(tree, pattern_rules({"**.norm": P("dp", "tp")}, default=P()))
@@ -79,6 +79,6 @@ def test_unmatched_and_bad_specs_are_all_named():
     with pytest.raises(ValueError) as info:
         tree_shardings(tree, specs, Mesh(dp=2, tp=4))
     msg = str(info.value)
-    assert "2 specs do not fit" in msg
+    assert "2 specs cannot be laid out on Mesh(dp=2, tp=4)" in msg
     assert "od.a: dim 0 of shape (3,) has size 3" in msg
     assert "embed.0: spec P('cp') names mesh axis 'cp'" in msg

@@ -38,8 +38,12 @@ def test_3d_mesh_3d_tensor_one_panel_per_leading_block():
 
 def test_4d_tensor_and_chunk_empty_blocks_are_called_out():
     view = layout(NamedSharding(Mesh(tp=4), P(None, None, "tp"), uneven="chunk"), (2, 2, 3, 5))
-    assert "ranks 3 hold empty blocks" in str(view)
+    assert "rank 3 holds an empty block" in str(view)
     assert len(list(view.panels())) == 1
+    # two different empty blocks are two cells, not replicas of one
+    small = layout(Mesh(tp=4), P("tp"), (2,), uneven="chunk")
+    assert _rows(small)[1] == ["0", "1", "2", "3"]
+    assert "ranks 2,3 hold empty blocks" in str(small)
 
 
 def test_rich_and_html_render():

@@ -40,8 +40,12 @@ __all__ = [
 ]
 
 
-def to_jax_mesh(mesh: Mesh, devices=None) -> _JaxMesh:
-    """A concrete `jax.sharding.Mesh`; rank r is `devices[r]` (default `jax.devices()`)."""
+def to_jax_mesh(mesh: Mesh, devices=None, *, axis_types=None) -> _JaxMesh:
+    """A concrete `jax.sharding.Mesh`; rank r is `devices[r]` (default `jax.devices()`).
+
+    `axis_types` passes through to jax (jax's `Mesh` defaults to Auto axes,
+    `jax.make_mesh` to Explicit ones).
+    """
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < mesh.size:
         raise ValueError(
@@ -49,7 +53,9 @@ def to_jax_mesh(mesh: Mesh, devices=None) -> _JaxMesh:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={mesh.size} before importing jax"
         )
     grid = np.asarray(devices[: mesh.size], dtype=object).reshape(mesh.axis_sizes)
-    return _JaxMesh(grid, mesh.axis_names)
+    if axis_types is None:
+        return _JaxMesh(grid, mesh.axis_names)
+    return _JaxMesh(grid, mesh.axis_names, axis_types=axis_types)
 
 
 def to_jax_abstract_mesh(mesh: Mesh) -> _JaxAbstractMesh:
