@@ -1,0 +1,107 @@
+"""Pass 2, annotate: parameter specs from the core's rules, input specs from the user.
+
+A `P` becomes a layout, one placement per mesh axis. A dim split over several
+axes in mesh order is a nested shard (the first axis major), as DTensor and
+JAX both lay it out. Axes named out of mesh order, as in `P(('tp', 'dp'))` on
+a `(dp, tp)` mesh, become strided shards so the per-rank blocks still equal
+JAX's. A Linear whose output is split into `k` equal pieces (a fused qkv
+projection) gets a `k`-way strided shard, so that every rank holds whole
+pieces of each part and the split needs no gather.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+from meshlib import Mesh, NamedSharding, P, apply_rules
+
+from .bind import bind
+from .placements import PARTIAL, R, Layout, Shard
+
+
+def spec_to_layout(spec: P, mesh: Mesh) -> Layout:
+    """The per-axis placements of `spec` (JAX's block order on every rank)."""
+    out = []
+    for m, axis in enumerate(mesh.axis_names):
+        placement = R
+        for d, entry_axes in enumerate(spec.dim_axes(i) for i in range(len(spec))):
+            if axis in entry_axes:
+                i = entry_axes.index(axis)
+                stride = math.prod(mesh.axis_size(a) for a in entry_axes[:i] if mesh.axis_index(a) > m)
+                placement = Shard(d, stride)
+        if axis in spec.unreduced:
+            placement = PARTIAL
+        out.append(placement)
+    return tuple(out)
+
+
+def layout_to_spec(layout: Layout, mesh: Mesh, ndim: int) -> P:
+    """The `P` of a layout (strided shards become tuple entries in JAX's order)."""
+    dims: list[list[tuple[int, str]]] = [[] for _ in range(ndim)]
+    unreduced = []
+    for axis, p in zip(mesh.axis_names, layout):
+        if isinstance(p, Shard):
+            dims[p.dim].append((p.groups, axis))
+        elif p == PARTIAL:
+            unreduced.append(axis)
+    entries = []
+    for group in dims:
+        # a larger stride means more axes precede this one in JAX's order (stable: mesh order)
+        axes = tuple(a for _, a in sorted(group, key=lambda t: t[0]))
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries, unreduced=unreduced)
+
+
+def param_specs(params: dict[str, torch.Tensor], rules, mesh: Mesh) -> dict[str, P]:
+    """Apply the rules; every spec is checked against the mesh and the parameter's shape."""
+    flat = {name: p for name, p in params.items()}
+    specs = apply_rules(flat, rules) if callable(rules) else dict(rules)
+    missing = sorted(set(flat) - set(specs))
+    if missing:
+        raise ValueError(f"no spec for parameters {missing}; give every parameter a spec or a rule default")
+    errors = []
+    for name, p in flat.items():
+        try:
+            NamedSharding(mesh, specs[name]).check(tuple(p.shape), path=name)
+        except ValueError as err:
+            errors.append(str(err))
+    if errors:
+        raise ValueError("parameter specs do not fit the mesh:\n  " + "\n  ".join(errors))
+    return specs
+
+
+def fuse_groups(gm: fx.GraphModule) -> dict[str, int]:
+    """Parameters feeding a Linear whose output is split into k equal parts -> k."""
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        view = bind(node)
+        if view.kind != "linear" or view.tensors[1].op != "get_attr":
+            continue
+        params = [view.tensors[1].target]
+        cur = node
+        users = list(cur.users)
+        if len(users) == 1 and bind(users[0]).kind == "add":
+            add = users[0]
+            other = [a for a in add.all_input_nodes if a is not cur]
+            if other and other[0].op == "get_attr":
+                params.append(other[0].target)
+            cur, users = add, list(add.users)
+        if len(users) != 1:
+            continue
+        split = bind(users[0])
+        if split.kind != "split":
+            continue
+        nd = len(cur.meta["val"].shape)
+        pieces = [tuple(t.shape) for t in split.out]
+        if (split.p.get("dim") or 0) % nd == nd - 1 and len({p[-1] for p in pieces}) == 1 and len(pieces) > 1:
+            for name in params:
+                out[name] = len(pieces)
+    return out
+
+
+def with_groups(layout: Layout, groups: int) -> Layout:
+    return tuple(Shard(p.dim, groups) if isinstance(p, Shard) and p.dim == 0 and p.groups == 1 else p for p in layout)

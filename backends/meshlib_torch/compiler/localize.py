@@ -1,0 +1,156 @@
+"""Pass 5, localize: make every node compute on the shard its rank holds.
+
+- Shape arithmetic is folded to the global constants it had when traced.
+- Views, expands and splits get the local shapes of their chosen layouts.
+- A mean over a sharded dim becomes that shard's share of the global mean.
+- A parameter is read through `to_local()` (its gradient flows back to the DTensor).
+- Ops whose local form depends on the rank become `call_module op<i>` nodes:
+  a vocab-parallel embedding and a sharded cross-entropy.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .bind import bind, dims_arg
+from .placements import Partial, Pending, Shard
+from .propagate import Axes, NodePlan
+from .shapes import local_shape
+
+
+@dataclass(frozen=True)
+class SpecialSpec:
+    """A rank-dependent op, built with the process groups at run time."""
+
+    name: str
+    kind: str  # "vocab_embedding" | "cross_entropy"
+    args: dict = field(default_factory=dict)
+
+
+def _sizes(axes: Axes) -> dict[str, int]:
+    return dict(zip(axes.names, axes.sizes))
+
+
+def fold_scalars(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        kind = bind(node).kind
+        if kind == "drop":
+            gm.graph.erase_node(node)
+        elif kind == "scalar" and node.op != "placeholder":
+            value = node.meta["val"]
+            value = tuple(value) if isinstance(value, torch.Size) else value
+            for user in list(node.users):
+                user.args = fx.node.map_arg(user.args, lambda a: value if a is node else a)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
+    gm.graph.eliminate_dead_code()
+
+
+def localize(gm: fx.GraphModule, plans: dict[fx.Node, NodePlan], axes: Axes, params: set[str]) -> list[SpecialSpec]:
+    specials: list[SpecialSpec] = []
+    for node in list(gm.graph.nodes):
+        plan = plans.get(node)
+        if plan is None:
+            continue
+        kind = plan.view.kind
+        plan.view.tensors = bind(node).tensors if kind not in ("get_attr", "placeholder", "output") else []
+        if kind == "get_attr" and node.target in params:
+            _to_local(gm, node)
+        elif kind in ("view", "expand"):
+            _reshape(gm, node, plan, axes, "reshape" if kind == "view" else "expand")
+        elif kind == "split":
+            _split(gm, node, plan, axes)
+        elif kind == "mean":
+            _rescale_mean(gm, node, plan, axes)
+        elif kind == "embedding" and any(w == Shard(0) and not isinstance(i, Shard) for i, w in zip(*plan.need)):
+            _special(gm, node, specials, "vocab_embedding", _vocab_args(plan, axes), plan.view.tensors)
+        elif kind == "cross_entropy" and any(isinstance(p, Shard) for p in plan.need[0]):
+            _special(gm, node, specials, "cross_entropy", _ce_args(plan, axes), plan.view.tensors)
+    gm.graph.eliminate_dead_code()
+    return specials
+
+
+def _to_local(gm: fx.GraphModule, node: fx.Node) -> None:
+    with gm.graph.inserting_after(node):
+        local = gm.graph.call_method("to_local", (node,))
+    local.meta = dict(node.meta)
+    node.replace_all_uses_with(local, delete_user_cb=lambda u: u is not local)
+
+
+def _local_out(plan: NodePlan, axes: Axes) -> tuple[int, ...]:
+    return local_shape(plan.view.out_shape, plan.out, axes.sizes)
+
+
+def _reshape(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes, method: str) -> None:
+    shape = _local_out(plan, axes)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_method(method, (plan.view.tensors[0], *shape))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+def _split(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes) -> None:
+    nd = len(plan.view.shape(plan.view.tensors[0]))
+    dim = (plan.view.p.get("dim") or 0) % nd
+    sizes = [local_shape(tuple(t.shape), lay, axes.sizes)[dim] for t, lay in zip(plan.view.out, plan.out)]
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(torch.split, (plan.view.tensors[0], sizes), {"dim": dim})
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+def _rescale_mean(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes) -> None:
+    """mean over a sharded dim: the local mean times local/global count (even shards)."""
+    x_layout = plan.need[0]
+    nd = len(plan.view.shape(plan.view.tensors[0]))
+    dims = dims_arg(plan.view.p, nd) or tuple(range(nd))
+    ways = math.prod(n for p, n in zip(x_layout, axes.sizes) if isinstance(p, Shard) and p.dim in dims)
+    if ways == 1:
+        return
+    with gm.graph.inserting_after(node):
+        scaled = gm.graph.call_function(operator.mul, (node, 1.0 / ways))
+    scaled.meta = dict(node.meta)
+    node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+
+
+def _vocab_args(plan: NodePlan, axes: Axes) -> dict:
+    axis = next(a for a, i, w in zip(axes.names, *plan.need) if w == Shard(0) and not isinstance(i, Shard))
+    vocab = plan.view.shape(plan.view.tensors[1])[0]
+    return {"axis": axis, "local_vocab": vocab // _sizes(axes)[axis]}
+
+
+def _ce_args(plan: NodePlan, axes: Axes) -> dict:
+    logits = plan.need[0]
+    reduction = plan.view.p.get("reduction", "mean")
+    reduction = {0: "none", 1: "mean", 2: "sum"}.get(reduction, reduction)
+    vocab = [a for a, p in zip(axes.names, logits) if p == Shard(1)]
+    rows = [a for a, p in zip(axes.names, logits) if p == Shard(0)]
+    n_classes = plan.view.shape(plan.view.tensors[0])[1]
+    vocab_size = math.prod(_sizes(axes)[a] for a in vocab)
+    local = local_shape(plan.view.shape(plan.view.tensors[0]), logits, axes.sizes)
+    return {
+        "rows_local": local[0],
+        "vocab_axis": vocab[0] if vocab else None,
+        "rows_axes": tuple(rows),
+        "local_classes": n_classes // vocab_size,
+        "reduction": reduction,
+        "ignore_index": plan.view.p.get("ignore_index", -100),
+        "output_partial": tuple(a for a, p in zip(axes.names, plan.out) if isinstance(p, Partial)),
+    }
+
+
+def _special(gm: fx.GraphModule, node: fx.Node, specials: list, kind: str, args: dict, inputs: list) -> None:
+    name = f"op{len(specials)}"
+    specials.append(SpecialSpec(name, kind, args))
+    with gm.graph.inserting_before(node):
+        gm.add_submodule(name, Pending(specials[-1]))
+        new = gm.graph.create_node("call_module", name, tuple(inputs))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)

@@ -1,0 +1,342 @@
+"""Per-op sharding rules on one mesh axis.
+
+A rule looks at an `OpView` and the placements its tensor inputs have now on
+one axis, and lists the strategies that are valid: the placement each input
+must have and the placement the output then has. `propagate` prices each
+strategy by the bytes its input changes would move and takes the cheapest;
+the first listed wins a tie, so rules list the strategy that keeps the inputs
+as they are first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .bind import OpView, dims_arg
+from .placements import PARTIAL, R, Partial, Placement, Replicate, Shard
+from .shapes import view_dim_map
+
+Out = Placement | tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple[Placement, ...]
+    output: Out
+
+
+def _shards(cur: list[Placement]) -> list[Shard]:
+    seen: list[Shard] = []
+    for p in cur:
+        if isinstance(p, Shard) and p not in seen:
+            seen.append(p)
+    return seen
+
+
+# -- pointwise -------------------------------------------------------------------------
+def _aligned(v: OpView, x, out_dim: int) -> int | None:
+    """The dim of input `x` that broadcasts into output dim `out_dim` (None: broadcast)."""
+    shape, out = v.shape(x), v.out_shape
+    d = out_dim - (len(out) - len(shape))
+    return d if d >= 0 and shape[d] == out[out_dim] else None
+
+
+def _input_dim_to_out(v: OpView, x, d: int) -> int:
+    return d + len(v.out_shape) - len(v.shape(x))
+
+
+def pointwise(
+    v: OpView, cur: list[Placement], hint: list[Shard] = (), *, partial: list[tuple[Placement, ...]] = ()
+) -> list[Strategy]:
+    """Output sharded like its inputs (or like a `hint`, an output shard worth trying);
+    whole; or, from the input tuples in `partial`, a partial sum."""
+    out_shards = [Shard(_input_dim_to_out(v, v.tensors[i], s.dim), s.groups) for i, s in enumerate(cur) if isinstance(s, Shard)]
+    out: list[Strategy] = []
+    for o in out_shards + [h for h in hint if h.dim < len(v.out_shape)]:
+        ins = []
+        for x in v.tensors:
+            d = _aligned(v, x, o.dim)
+            ins.append(Shard(d, o.groups) if d is not None else R)
+        cand = Strategy(tuple(ins), o)
+        if cand not in out:
+            out.append(cand)
+    out.append(Strategy((R,) * len(cur), R))
+    return out + [Strategy(ins, PARTIAL) for ins in partial]
+
+
+def binary(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    n = len(v.tensors)
+    if v.kind in ("add", "sub"):
+        partial = [(PARTIAL,) * n] if not v.p["scalar_operand"] else []
+    elif v.kind == "mul":
+        partial = [tuple(PARTIAL if j == i else R for j in range(n)) for i in range(n)]
+    else:  # div: numerator only
+        first_is_num = v.tensors[0] is v.p.get("x")
+        partial = [(PARTIAL,) + (R,) * (n - 1)] if first_is_num else []
+    ordered = sorted(partial, key=lambda ins: sum(a != b for a, b in zip(ins, cur)))
+    return pointwise(v, cur, hint, partial=ordered)
+
+
+def unary(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    return pointwise(v, cur, hint)
+
+
+def linear_unary(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    return pointwise(v, cur, hint, partial=[(PARTIAL,)])
+
+
+def dropout(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    if not v.p.get("p") or v.p.get("training") is False:
+        return linear_unary(v, cur, hint)
+    return pointwise(v, cur, hint)
+
+
+# -- reductions and normalizations -----------------------------------------------------------
+def reduction(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    nd = len(v.shape(v.tensors[0]))
+    dims = dims_arg(v.p, nd) or tuple(range(nd))
+    keep = bool(v.p.get("keepdim"))
+    out = []
+    for s in _shards(cur):
+        if s.dim in dims:
+            out.append(Strategy((s,), PARTIAL))
+        else:
+            od = s.dim if keep else s.dim - sum(d < s.dim for d in dims)
+            out.append(Strategy((s,), Shard(od, s.groups)))
+    out += [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
+    return out
+
+
+def softmax(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    dim = v.p["dim"] % len(v.out_shape)
+    return [Strategy((s,), s) for s in _shards(cur) if s.dim != dim] + [Strategy((R,), R)]
+
+
+def norm(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    k = len(v.p["normalized_shape"])
+    nd = len(v.out_shape)
+    extra = (R,) * (len(v.tensors) - 1)
+    shards = _shards(cur[:1]) + [h for h in hint if h not in cur[:1]]
+    return [Strategy((s,) + extra, s) for s in shards if s.dim < nd - k] + [Strategy((R,) * len(v.tensors), R)]
+
+
+# -- matmuls -----------------------------------------------------------------------------------
+def linear(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    nd = len(v.out_shape)
+    out = [Strategy((s, R), s) for s in _shards(cur[:1]) if s.dim < nd - 1]
+    w = cur[1]
+    if isinstance(w, Shard) and w.dim == 0:
+        out.append(Strategy((R, w), Shard(nd - 1, w.groups)))
+    if isinstance(w, Shard) and w.dim == 1:
+        out.append(Strategy((Shard(nd - 1, w.groups), w), PARTIAL))
+    out += [Strategy((PARTIAL, R), PARTIAL), Strategy((R, R), R)]
+    return out
+
+
+def _einsum_terms(v: OpView) -> tuple[list[str], str]:
+    if v.kind == "einsum":
+        eq = v.p["equation"].replace(" ", "")
+        ins, out = eq.split("->") if "->" in eq else (eq, None)
+        terms = ins.split(",")
+        if any("..." in t for t in terms):
+            terms, out = _expand_ellipsis(v, terms, out)
+        if out is None:
+            labels = "".join(terms)
+            out = "".join(sorted(c for c in set(labels) if labels.count(c) == 1))
+        return terms, out
+    # matmul/bmm/mm: label batch dims, then m k , k n
+    xs, ys = v.shape(v.tensors[0]), v.shape(v.tensors[1])
+    letters = iter("abcdefghij")
+    batch = [next(letters) for _ in range(max(len(xs), len(ys)) - 2)]
+    x = "".join(batch[len(batch) - (len(xs) - 2) :]) + ("mk" if len(xs) > 1 else "k")
+    y = "".join(batch[len(batch) - (len(ys) - 2) :]) + ("kn" if len(ys) > 1 else "k")
+    out = "".join(batch) + ("m" if len(xs) > 1 else "") + ("n" if len(ys) > 1 else "")
+    return [x, y], out
+
+
+def _expand_ellipsis(v: OpView, terms: list[str], out: str | None):
+    n_ell = max(len(v.shape(x)) - (len(t) - 3) for x, t in zip(v.tensors, terms) if "..." in t)
+    fill = "".join(chr(ord("A") + i) for i in range(n_ell))
+    new = []
+    for x, t in zip(v.tensors, terms):
+        if "..." in t:
+            k = len(v.shape(x)) - (len(t) - 3)
+            t = t.replace("...", fill[n_ell - k :])
+        new.append(t)
+    return new, (out.replace("...", fill) if out is not None else None)
+
+
+def contraction(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    terms, out_term = _einsum_terms(v)
+    shapes = [v.shape(x) for x in v.tensors]
+    out: list[Strategy] = []
+    for i, s in enumerate(cur):
+        if not isinstance(s, Shard):
+            continue
+        label = terms[i][s.dim]
+        ins = []
+        for t, shape in zip(terms, shapes):
+            pos = t.find(label)
+            broadcast = pos < 0 or shape[pos] == 1 and shapes[i][s.dim] != 1
+            ins.append(R if broadcast else Shard(pos, s.groups))
+        res: Placement = Shard(out_term.index(label), s.groups) if label in out_term else PARTIAL
+        cand = Strategy(tuple(ins), res)
+        if cand not in out:
+            out.append(cand)
+    n = len(cur)
+    out += [Strategy(tuple(PARTIAL if j == i else R for j in range(n)), PARTIAL) for i in range(n)]
+    out.append(Strategy((R,) * n, R))
+    return out
+
+
+def sdpa(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    out = []
+    for s in _shards(cur[:3]):
+        if s.dim in (0, 1):
+            ins = [s, s, s]
+            if len(v.tensors) > 3:
+                mask = v.shape(v.tensors[3])
+                md = s.dim - (4 - len(mask))
+                ins.append(s if md >= 0 and mask[md] == v.out_shape[s.dim] else R)
+            out.append(Strategy(tuple(ins), s))
+    out.append(Strategy((R,) * len(v.tensors), R))
+    return out
+
+
+def embedding(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    out = [Strategy((s, R), s) for s in _shards(cur[:1])]
+    w = cur[1]
+    if w == Shard(0) and v.p.get("padding_idx") in (None, -1):
+        out.append(Strategy((R, w), PARTIAL))
+    if w == Shard(1):
+        out.append(Strategy((R, w), Shard(len(v.out_shape) - 1)))
+    out.append(Strategy((R, R), R))
+    return out
+
+
+def cross_entropy(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    reduction = v.p.get("reduction", "mean")
+    plain = v.p.get("weight") is None and not v.p.get("label_smoothing") and reduction in ("mean", "sum", 1, 2)
+    out = []
+    if plain and cur[0] == Shard(0):
+        out.append(Strategy((Shard(0), Shard(0)), PARTIAL))
+    if plain and cur[0] == Shard(1):
+        out.append(Strategy((Shard(1), R), R))
+    out.append(Strategy((R, R), R))
+    return out
+
+
+# -- shapes ---------------------------------------------------------------------------------
+def view(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    s = cur[0]
+    out = []
+    if isinstance(s, Shard):
+        dst = view_dim_map(v.shape(v.tensors[0]), v.out_shape, s.dim, s.groups)
+        if dst is not None:
+            out.append(Strategy((s,), Shard(dst, s.groups)))
+    return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
+
+
+def _perm(v: OpView) -> list[int]:
+    nd = len(v.out_shape)
+    if v.kind == "transpose":
+        d0, d1 = (v.p.get("d0", 0) % nd, v.p.get("d1", 1) % nd) if "d0" in v.p else (0, 1)
+        perm = list(range(nd))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+        return perm
+    dims = v.p.get("dims")
+    if dims is None:
+        dims = [v.p[k] for k in ("a1", "a2", "a3", "a4", "a5") if k in v.p]
+        dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+    return [d % nd for d in dims]
+
+
+def permute(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    perm = _perm(v)
+    out = [Strategy((s,), Shard(perm.index(s.dim), s.groups)) for s in _shards(cur)]
+    return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
+
+
+def expand(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    out = []
+    for s in _shards(cur):
+        od = _input_dim_to_out(v, v.tensors[0], s.dim)
+        if v.shape(v.tensors[0])[s.dim] == v.out_shape[od]:
+            out.append(Strategy((s,), Shard(od, s.groups)))
+    return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
+
+
+def repeat_interleave(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    if not isinstance(v.p.get("repeats"), int) or v.p.get("dim") is None:
+        return [Strategy((R,), R)]
+    return [Strategy((s,), s) for s in _shards(cur) if s.groups == 1] + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
+
+
+def split(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    nd = len(v.shape(v.tensors[0]))
+    dim = (v.p.get("dim") or 0) % nd
+    pieces = [tuple(t.shape) for t in v.out]
+    k = len(pieces)
+    out = []
+    for s in _shards(cur):
+        if s.dim != dim:
+            out.append(Strategy((s,), (s,) * k))
+        elif s.groups == k and len({p[dim] for p in pieces}) == 1:
+            out.append(Strategy((s,), (Shard(dim),) * k))
+    return out + [Strategy((PARTIAL,), (PARTIAL,) * k), Strategy((R,), (R,) * k)]
+
+
+def cat(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    dim = v.p.get("dim", 0) % len(v.out_shape)
+    n = len(cur)
+    out = [Strategy((s,) * n, s) for s in _shards(cur) if s.dim != dim]
+    return out + [Strategy((PARTIAL,) * n, PARTIAL), Strategy((R,) * n, R)]
+
+
+def index(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """Basic indexing: slices, ints, None and Ellipsis; a sharded dim must be kept whole."""
+    from .shapes import index_dim_map
+
+    kept = index_dim_map(v.shape(v.tensors[0]), v.p["index"])
+    out = []
+    if kept is not None:
+        for s in _shards(cur):
+            if kept.get(s.dim) is not None:
+                out.append(Strategy((s,), Shard(kept[s.dim], s.groups)))
+    return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
+
+
+def slice_(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    nd = len(v.shape(v.tensors[0]))
+    dim = v.p.get("dim", 0) % nd
+    out_dim_of = (lambda d: d - (d > dim)) if v.kind == "select" else (lambda d: d)
+    out = [Strategy((s,), Shard(out_dim_of(s.dim), s.groups)) for s in _shards(cur) if s.dim != dim]
+    return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
+
+
+def tri(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    nd = len(v.out_shape)
+    return [Strategy((s,), s) for s in _shards(cur) if s.dim < nd - 2] + [Strategy((R,), R)]
+
+
+def like(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    return [Strategy((s,), s) for s in _shards(cur)] + [Strategy((PARTIAL,), R), Strategy((R,), R)]
+
+
+def replicate(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """Any op: every input whole, the output whole on every rank."""
+    return [Strategy((R,) * len(cur), R)]
+
+
+RULES = {
+    "add": binary, "sub": binary, "mul": binary, "div": binary,
+    "unary": unary, "linear_unary": linear_unary, "dropout": dropout, "where": unary, "masked_fill": unary,
+    "sum": reduction, "mean": reduction, "softmax": softmax, "norm": norm,
+    "linear": linear, "matmul": contraction, "einsum": contraction, "sdpa": sdpa,
+    "embedding": embedding, "cross_entropy": cross_entropy,
+    "view": view, "transpose": permute, "permute": permute, "expand": expand,
+    "repeat_interleave": repeat_interleave, "split": split, "cat": cat, "index": index,
+    "slice": slice_, "select": slice_, "tri": tri, "like": like, "unknown": replicate,
+}  # fmt: skip
+
+__all__ = ["RULES", "Strategy", "Partial", "Replicate"]

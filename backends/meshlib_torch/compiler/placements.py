@@ -1,0 +1,121 @@
+"""Placements of one value on one mesh axis, and what it costs to change them.
+
+`Shard(dim, groups)` splits `dim` over the axis; with `groups > 1` the dim is
+first viewed as `groups` equal parts and each part is split (a fused qkv
+projection holds whole heads of q, k and v this way). `Replicate()` holds the
+whole value; `Partial()` holds a summand.
+
+A layout is a tuple of placements, one per mesh axis, in mesh order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INF = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    dim: int
+    groups: int = 1
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})" if self.groups == 1 else f"S({self.dim}/{self.groups})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    def __repr__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    def __repr__(self) -> str:
+        return "P"
+
+
+R = Replicate()
+PARTIAL = Partial()
+Placement = Shard | Replicate | Partial
+Layout = tuple[Placement, ...]
+
+
+def natural_grad(p: Placement) -> Placement:
+    """The placement a value's gradient has when every consumer computed it in full."""
+    return R if isinstance(p, Partial) else p
+
+
+def kind(src: Placement, dst: Placement) -> str | None:
+    """The collective that turns `src` into `dst` on one axis (None: no communication)."""
+    if src == dst:
+        return None
+    if isinstance(src, Partial):
+        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if isinstance(dst, Shard) else None
+    if isinstance(src, Shard):
+        if isinstance(dst, Replicate):
+            return "all_gather"
+        if isinstance(dst, Shard):
+            return "all_to_all"
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return None  # a local slice
+    raise ValueError(f"no redistribution from {src} to {dst}")
+
+
+def allowed(src: Placement, dst: Placement) -> bool:
+    """Replicate/Shard -> Partial never happens: it would need a rank-dependent rescale."""
+    return src == dst or not isinstance(dst, Partial)
+
+
+BUS_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+
+
+def bus_bytes(kind_: str, payload: float, n: int) -> float:
+    """Ring bandwidth term: bytes each rank sends for a collective of `payload` bytes."""
+    return BUS_FACTOR[kind_] * payload * (n - 1) / n if n > 1 else 0.0
+
+
+def cost(src: Placement, dst: Placement, full_bytes: float, n: int, *, slice_ok: bool, grad: bool = False) -> float:
+    """Bytes moved per rank to change `src` into `dst` for a value of `full_bytes` on this axis,
+    forward and, when the value needs a gradient, backward (its whole gradient going back).
+
+    `full_bytes` is the value's size with this axis unsharded. Slicing a
+    replicated value is free and reduce-scattering a partial one costs half an
+    all-reduce, but both start a new activation shard, which only `slice_ok`
+    allows (sequence parallel regions); elsewhere they are ruled out so that
+    activations stay where the parameters put them.
+    """
+    if src == dst:
+        return 0.0
+    if not allowed(src, dst):
+        return INF
+    k = kind(src, dst)
+    if k in (None, "reduce_scatter") and not slice_ok:
+        return INF
+    if k is None:
+        # A slice into a sequence-parallel region. Its backward all-gather mirrors the
+        # reduce-scatter the region ends with, so it is not charged here: entering the
+        # region early is how Megatron's sequence parallelism keeps the residual stream
+        # sharded; charging it would make the greedy choice stay replicated instead.
+        return 0.0
+    fwd = bus_bytes(k, full_bytes, n)
+    if not grad:
+        return fwd
+    back = kind(natural_grad(dst), natural_grad(src))
+    return fwd + (0.0 if back is None else bus_bytes(back, full_bytes, n))
+
+
+class Pending(__import__("torch").nn.Module):
+    """Stands in the compiled graph for a collective or rank-dependent op until the
+    runtime replaces it with one bound to real process groups."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, *args):
+        raise RuntimeError(
+            f"{self.spec.name} needs process groups: run the compiled model through "
+            "meshlib_torch.runtime (e.g. `parallelize`), not the bare graph"
+        )

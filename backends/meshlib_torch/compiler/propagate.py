@@ -1,0 +1,154 @@
+"""Pass 3, propagate: a layout for every value, the cheapest the op rules allow.
+
+Nodes are visited in order. On each mesh axis, every strategy the op's rule
+lists is priced by the bytes its input changes would move (`placements.cost`)
+and the cheapest is taken; ties go to the strategy listed first. A layout an
+earlier consumer already asked for is free to reuse. Parameters keep the
+layouts their specs declare: only activations are redistributed. The result
+is, per node, the layout of its output and the layout each input must have.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .bind import OpView, bind
+from .ops import RULES, Strategy
+from .placements import INF, R, Layout, Shard, cost
+from .shapes import divides
+
+
+@dataclass
+class NodePlan:
+    view: OpView
+    out: Layout | tuple[Layout, ...] | None  # None for shape arithmetic
+    need: list[Layout]  # required layout of each tensor input, in view.tensors order
+    replicated_fallback: bool = False
+
+
+@dataclass(frozen=True)
+class Axes:
+    """What propagation knows of the mesh: axis names and sizes, and where new shards may start."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    slice_dims: tuple[tuple[str, int, int], ...] = ()  # (axis, dim, size): outputs may be sharded here
+
+
+def _bytes(val) -> float:
+    return math.prod(val.shape) * val.element_size()
+
+
+def _full_bytes(val, layout: Layout, axes: Axes, axis_i: int) -> float:
+    """Bytes of the value on one rank if axis `axis_i` did not shard it."""
+    ways = math.prod(n for i, (p, n) in enumerate(zip(layout, axes.sizes)) if i != axis_i and isinstance(p, Shard))
+    return _bytes(val) / ways
+
+
+def _choose(view: OpView, cur: list[Layout], axes: Axes, i: int, shape_after: list, avail: dict) -> Strategy:
+    n, name = axes.sizes[i], axes.names[i]
+    cur_i = [lay[i] for lay in cur]
+    shape = tuple(view.out.shape) if torch.is_tensor(view.out) else ()
+    hint = [Shard(d) for a, d, size in axes.slice_dims if a == name and len(shape) > d and shape[d] == size]
+    best, best_cost = None, INF
+    for strat in RULES.get(view.kind, RULES["unknown"])(view, cur_i, hint):
+        if not _fits(view, strat, n, shape_after):
+            continue
+        total = 0.0
+        # a new activation shard may start only where the op's output lands on a slice dim
+        slice_ok = strat.output in hint
+        for k, (x, src, dst) in enumerate(zip(view.tensors, cur_i, strat.inputs)):
+            if dst in avail.get((x, i), ()):
+                continue  # an earlier consumer already made this layout
+            if x.meta.get("param") and dst != src:
+                total = INF  # declared parameter layouts are kept; activations move instead
+                break
+            val = x.meta["val"]
+            total += cost(src, dst, _full_bytes(val, cur[k], axes, i), n, slice_ok=slice_ok, grad=val.requires_grad)
+        if total < best_cost:
+            best, best_cost = strat, total
+    if best is None:
+        raise AssertionError(f"no strategy fits {view.node} on axis {name}")
+    return best
+
+
+def _fits(view: OpView, strat: Strategy, n: int, shape_after: list) -> bool:
+    """Every shard in the strategy divides its (already locally sharded) dim evenly."""
+    outs = strat.output if isinstance(strat.output, tuple) else (strat.output,)
+    out_vals = view.out if isinstance(view.out, (list, tuple)) else [view.out]
+    for p, shape in zip(strat.inputs, shape_after[: len(strat.inputs)]):
+        if not divides(shape, p, n):
+            return False
+    return all(divides(tuple(v.shape), p, n) for p, v in zip(outs, out_vals))
+
+
+def _local_shapes(view: OpView, cur: list[Layout], axes: Axes, upto: int) -> list:
+    out = []
+    for x, lay in zip(view.tensors, cur):
+        shape = list(x.meta["val"].shape)
+        for p, n in zip(lay[:upto], axes.sizes[:upto]):
+            if isinstance(p, Shard) and p.dim < len(shape):
+                shape[p.dim] //= n
+        out.append(tuple(shape))
+    return out
+
+
+def propagate(
+    gm: fx.GraphModule,
+    axes: Axes,
+    *,
+    params: dict[str, Layout],
+    inputs: dict[str, Layout],
+    outputs: Layout | None = None,
+) -> dict[fx.Node, NodePlan]:
+    plans: dict[fx.Node, NodePlan] = {}
+    avail: dict[tuple[fx.Node, int], set] = {}  # placements each value already has or was given
+    rep: Layout = (R,) * len(axes.names)
+    for node in gm.graph.nodes:
+        view = bind(node)
+        if view.kind in ("scalar", "drop"):
+            plans[node] = NodePlan(view, None, [])
+        elif view.kind == "placeholder":
+            lay = inputs.get(node.target, rep) if torch.is_tensor(node.meta.get("val")) else None
+            plans[node] = NodePlan(view, lay, [])
+        elif view.kind == "get_attr":
+            plans[node] = NodePlan(view, params.get(node.target, rep), [])
+        elif view.kind == "item":
+            src = plans[view.tensors[0]].out
+            plans[node] = NodePlan(view, src[view.p["index"]], [src])
+        elif view.kind == "output":
+            outs = [a for a in node.all_input_nodes if torch.is_tensor(a.meta.get("val"))]
+            view.tensors = outs
+            plans[node] = NodePlan(view, None, [outputs or rep for _ in outs])
+        else:
+            plans[node] = _plan_op(view, plans, axes, avail)
+    return plans
+
+
+def _plan_op(view: OpView, plans: dict, axes: Axes, avail: dict) -> NodePlan:
+    cur = [plans[x].out for x in view.tensors]
+    multi = isinstance(view.out, (list, tuple))
+    need = [list(lay) for lay in cur]
+    out_per_axis = []
+    for i, n in enumerate(axes.sizes):
+        if n == 1:
+            out_per_axis.append((R,) * len(view.out) if multi else R)
+            for lay in need:
+                lay[i] = R
+            continue
+        shapes = _local_shapes(view, [tuple(x) for x in need], axes, i)
+        strat = _choose(view, cur, axes, i, shapes, avail)
+        for x, lay, p in zip(view.tensors, need, strat.inputs):
+            lay[i] = p
+            avail.setdefault((x, i), {lay_i for lay_i in (plans[x].out[i],)} if not isinstance(plans[x].out[0], tuple) else set()).add(p)
+        out_per_axis.append(strat.output)
+    if multi:
+        out = tuple(tuple(o[k] for o in out_per_axis) for k in range(len(view.out)))
+    else:
+        out = tuple(out_per_axis)
+    fallback = view.kind == "unknown"
+    return NodePlan(view, out, [tuple(lay) for lay in need], fallback)

@@ -1,0 +1,139 @@
+"""Pass 4, redistribute: insert exactly the collectives the chosen layouts need.
+
+Where a value's layout differs from what a consumer needs, one `comm` node
+changes it; consumers that need the same layout share it. Each comm node also
+says what its backward does. A gradient arrives in the layout its consumers
+leave it in: whole (`natural_grad`), or partial where a replicated input fed an
+op whose output is sharded or partial (a column-parallel matmul, or any op on
+a batch-sharded activation for a dp-replicated parameter). Those partial
+gradients are summed by an all-reduce in backward: Megatron's `f` operator, and
+plain data parallelism's gradient sync, from the same rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .placements import PARTIAL, R, Layout, Partial, Pending, Replicate, bus_bytes, kind, natural_grad
+from .propagate import Axes, NodePlan
+from .trace import source_line
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    """One redistribution: `src` -> `dst` forward, `grad_dst` -> natural(src) backward."""
+
+    name: str
+    src: Layout
+    dst: Layout
+    grad_dst: Layout
+    shape: tuple[int, ...]  # global shape of the value
+    dtype: torch.dtype
+    requires_grad: bool
+    producer: str
+    consumer: str
+    op: str
+    source: str
+
+    def steps(self, axes: Axes, phase: str) -> list[tuple[str, str, object, object]]:
+        """`(kind, axis, from, to)` per axis that communicates, in `phase` ("forward"/"backward")."""
+        out = []
+        for name, s, d, g in zip(axes.names, self.src, self.dst, self.grad_dst):
+            a, b = (s, d) if phase == "forward" else (g, natural_grad(s))
+            if phase == "backward" and not self.requires_grad:
+                continue
+            k = kind(a, b)
+            if k is not None:
+                out.append((k, name, a, b))
+        return out
+
+
+def _is_partial_grad(need: Layout, out, requires_grad: bool, i: int) -> bool:
+    if not requires_grad or not isinstance(need[i], Replicate):
+        return False
+    outs = out if isinstance(out, tuple) and out and isinstance(out[0], tuple) else (out,)
+    return any(o is not None and not isinstance(o[i], Replicate) for o in outs)
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return bool(torch.is_tensor(val) and val.requires_grad)
+
+
+def insert_comms(gm: fx.GraphModule, plans: dict[fx.Node, NodePlan], axes: Axes) -> list[CommSpec]:
+    """Rewrite `gm` in place with `call_module comm<i>` nodes; return their specs."""
+    edges: dict[tuple[fx.Node, Layout], list[tuple[fx.Node, tuple[bool, ...]]]] = {}
+    for node, plan in plans.items():
+        if plan.view.kind == "item":
+            continue
+        for x, need in zip(plan.view.tensors, plan.need):
+            rg = _requires_grad(x)
+            pgrad = tuple(_is_partial_grad(need, plan.out, rg, i) for i in range(len(axes.names)))
+            edges.setdefault((x, need), []).append((node, pgrad))
+    specs: list[CommSpec] = []
+    for (x, need), users in edges.items():
+        have = plans[x].out
+        all_p = tuple(all(pg[i] for _, pg in users) for i in range(len(axes.names)))
+        value = x
+        if have != need or any(all_p):
+            grad_dst = tuple(PARTIAL if all_p[i] else natural_grad(need[i]) for i in range(len(need)))
+            value = _insert(gm, specs, x, have, need, grad_dst, users[0][0])
+            for user, _ in users:
+                user.replace_input_with(x, value)
+        extra: dict[tuple[bool, ...], list[fx.Node]] = {}
+        for user, pg in users:
+            rest = tuple(p and not a for p, a in zip(pg, all_p))
+            if any(rest):
+                extra.setdefault(rest, []).append(user)
+        for rest, group in extra.items():
+            grad_dst = tuple(PARTIAL if r else natural_grad(n) for r, n in zip(rest, need))
+            f = _insert(gm, specs, value, need, need, grad_dst, group[0], val=x.meta["val"])
+            for user in group:
+                user.replace_input_with(value, f)
+    return specs
+
+
+def _insert(gm, specs, x, have, need, grad_dst, first_user, val=None) -> fx.Node:
+    """A `comm<i>` node just before `first_user`, the earliest consumer in graph order."""
+    name = f"comm{len(specs)}"
+    val = x.meta["val"] if val is None else val
+    spec = CommSpec(
+        name, have, need, grad_dst, tuple(val.shape), val.dtype, bool(val.requires_grad),
+        x.name, first_user.name, str(getattr(first_user.target, "__name__", first_user.target)), source_line(first_user),
+    )  # fmt: skip
+    specs.append(spec)
+    with gm.graph.inserting_before(first_user):
+        gm.add_submodule(name, Pending(spec))
+        node = gm.graph.create_node("call_module", name, (x,))
+    node.meta["val"] = val
+    node.meta["comm"] = spec
+    return node
+
+
+def collective_records(specs: list[CommSpec], axes: Axes) -> list[dict]:
+    """Per-step collectives with bytes per rank (payload: the value on one rank with that axis whole)."""
+    out = []
+    for spec in specs:
+        itemsize = torch.empty((), dtype=spec.dtype).element_size()
+        for phase in ("forward", "backward"):
+            for k, axis, a, b in spec.steps(axes, phase):
+                lay = spec.src if phase == "forward" else spec.grad_dst
+                ways = math.prod(
+                    n for name, p, n in zip(axes.names, lay, axes.sizes) if name != axis and not isinstance(p, (Replicate, Partial))
+                )
+                payload = math.prod(spec.shape) * itemsize // ways
+                n = dict(zip(axes.names, axes.sizes))[axis]
+                out.append(
+                    dict(
+                        kind=k, axes=(axis,), bytes=int(payload), node=spec.producer, op=spec.op, source=spec.source,
+                        reason=f"{a!r}->{b!r} for {spec.consumer}", phase=phase, group=n, bus=bus_bytes(k, payload, n),
+                    )
+                )  # fmt: skip
+    return out
+
+
+__all__ = ["CommSpec", "insert_comms", "collective_records", "R"]

@@ -1,0 +1,108 @@
+"""Shape arithmetic: how dims map through views and indexing, and local shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .placements import Layout, Shard
+
+
+def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
+    """Pair runs of dims of `src` and `dst` whose sizes multiply to the same number."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [], []
+        pi = pj = 1
+        if i < len(src):
+            gi.append(i)
+            pi = src[i]
+            i += 1
+        if j < len(dst):
+            gj.append(j)
+            pj = dst[j]
+            j += 1
+        while pi != pj:
+            if pi < pj and i < len(src):
+                gi.append(i)
+                pi *= src[i]
+                i += 1
+            elif j < len(dst):
+                gj.append(j)
+                pj *= dst[j]
+                j += 1
+            else:
+                return None
+        groups.append((gi, gj))
+    return groups
+
+
+def view_dim_map(src: Sequence[int], dst: Sequence[int], dim: int, groups: int = 1) -> int | None:
+    """The `dst` dim a shard of `src` dim `dim` becomes under a view (None: it cannot stay sharded).
+
+    A shard survives when it is the major non-trivial dim of its run: merging
+    `(heads, head_dim)` into one dim keeps a heads shard, splitting it back
+    gives the heads shard again. A grouped shard survives only an identity.
+    """
+    found = view_groups(src, dst)
+    if found is None:
+        return None
+    for gi, gj in found:
+        if dim not in gi:
+            continue
+        major_src = next((d for d in gi if src[d] != 1), None)
+        major_dst = next((d for d in gj if dst[d] != 1), None)
+        if major_src != dim or major_dst is None:
+            return None
+        if groups > 1 and not (len([d for d in gi if src[d] != 1]) == 1 and len([d for d in gj if dst[d] != 1]) == 1):
+            return None
+        return major_dst
+    return None
+
+
+def index_dim_map(shape: Sequence[int], index) -> dict[int, int | None] | None:
+    """For basic indexing, input dim -> output dim (None: sliced or removed)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(not (isinstance(it, (slice, int)) or it is None or it is Ellipsis) for it in items):
+        return None
+    n_real = sum(1 for it in items if it is not None and it is not Ellipsis)
+    expanded: list = []
+    for it in items:
+        if it is Ellipsis:
+            expanded += [slice(None)] * (len(shape) - n_real)
+        else:
+            expanded.append(it)
+    expanded += [slice(None)] * (len(shape) - sum(1 for it in expanded if it is not None))
+    out: dict[int, int | None] = {}
+    d = o = 0
+    for it in expanded:
+        if it is None:
+            o += 1
+            continue
+        if isinstance(it, int):
+            out[d] = None
+        else:
+            whole = it.indices(shape[d]) == (0, shape[d], 1)
+            out[d] = o if whole else None
+            o += 1
+        d += 1
+    return out
+
+
+def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int]) -> tuple[int, ...]:
+    """The shape each rank holds of a value of global `shape` (activations divide evenly)."""
+    out = list(shape)
+    for p, n in zip(layout, sizes):
+        if isinstance(p, Shard):
+            if out[p.dim] % (n * p.groups) and out[p.dim] % n:
+                raise ValueError(f"dim {p.dim} of {tuple(shape)} does not divide over {n} ranks")
+            out[p.dim] //= n
+    return tuple(out)
+
+
+def divides(shape: Sequence[int], p, n: int) -> bool:
+    if not isinstance(p, Shard):
+        return True
+    if p.dim >= len(shape):
+        return False
+    size = shape[p.dim]
+    return size % p.groups == 0 and (size // p.groups) % n == 0

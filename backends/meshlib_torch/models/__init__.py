@@ -1,0 +1,92 @@
+"""Bundled reference models: the main job's default and the test subjects.
+
+`build(name)` makes one on the meta device by default: no memory is used
+until the runtime fills each parameter in its shard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gpt import GPT, GPTConfig
+from .llama import Llama, LlamaConfig
+
+CONFIGS = {
+    "gpt-tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=32),
+    "gpt-small": GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=128),
+    "gpt2": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "llama-tiny": LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_seq_len=64),
+    "llama-tiny-gqa": LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64),
+    "llama-small": LlamaConfig(vocab_size=256, dim=256, n_layers=4, n_heads=8, hidden_dim=688, max_seq_len=256),
+    "llama-1b": LlamaConfig(vocab_size=32000, dim=2048, n_layers=18, n_heads=16, hidden_dim=5632, max_seq_len=2048),
+    "llama-7b": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, hidden_dim=11008, max_seq_len=4096),
+    "llama-70b": LlamaConfig(
+        vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672, max_seq_len=4096
+    ),
+}
+
+
+def model_class(cfg) -> type[torch.nn.Module]:
+    return GPT if isinstance(cfg, GPTConfig) else Llama
+
+
+def config(name: str, **overrides):
+    """The named config, with fields replaced (e.g. `n_layers=160`)."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}; bundled models: {', '.join(CONFIGS)}")
+    cfg = CONFIGS[name]
+    if overrides:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, **overrides)
+    return cfg
+
+
+def build(name_or_cfg, *, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32, **overrides):
+    """A bundled model, by name or config, on `device` (meta: shapes only)."""
+    cfg = config(name_or_cfg, **overrides) if isinstance(name_or_cfg, str) else name_or_cfg
+    with torch.device(device):
+        model = model_class(cfg)(cfg)
+    return model.to(dtype)
+
+
+__all__ = ["CONFIGS", "GPT", "GPTConfig", "Llama", "LlamaConfig", "build", "config", "model_class"]
+
+
+def default_rules(name_or_cfg, mesh):
+    """Megatron-style tensor parallel specs for a bundled model, written as meshlib rules.
+
+    Column-parallel projections split their output features, row-parallel ones
+    their input features, embeddings and the output head split the vocabulary
+    (so the loss is computed vocab-parallel), norms are replicated. On a mesh
+    without a `tp` axis every spec is replicated.
+    """
+    import meshlib as ml
+
+    cfg = config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
+    tp = "tp" if "tp" in mesh else None
+    logical = ml.logical_rules({"vocab": tp, "heads": tp, "mlp": tp, "embed": None, "pos": None})
+    if isinstance(cfg, GPTConfig):
+        table = {
+            "wte.weight": "vocab embed",
+            "wpe.weight": "pos embed",
+            "h.*.attn.c_attn.weight": "heads embed",
+            "h.*.attn.c_attn.bias": "heads",
+            "h.*.attn.c_proj.weight": "embed heads",
+            "h.*.mlp.c_fc.weight": "mlp embed",
+            "h.*.mlp.c_fc.bias": "mlp",
+            "h.*.mlp.c_proj.weight": "embed mlp",
+        }
+    else:
+        table = {
+            "tok_embeddings.weight": "vocab embed",
+            "layers.*.attention.w[qkv].weight": "heads embed",
+            "layers.*.attention.wo.weight": "embed heads",
+            "layers.*.feed_forward.w[13].weight": "mlp embed",
+            "layers.*.feed_forward.w2.weight": "embed mlp",
+            "output.weight": "vocab embed",
+        }
+    return ml.pattern_rules(table, logical=logical, default=ml.P())
+
+
+__all__ += ["default_rules"]
