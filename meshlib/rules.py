@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -176,11 +177,18 @@ def parse_dims(expr: str, ndim: int | None = None, *, path: str | None = None) -
     `...` stands for leading or middle dims that stay replicated (needs `ndim`);
     `1` or `()` marks a replicated dim with no name.
     """
-    where = f"{path}: " if path else ""
+    try:
+        return list(_parse_dims(expr, ndim))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}" if path else str(err)) from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_dims(expr: str, ndim: int | None) -> tuple:
     try:
         parsed = ParsedExpression(expr)
     except EinopsError as err:
-        raise ValueError(f"{where}dim names {expr!r} do not parse: {err}") from None
+        raise ValueError(f"dim names {expr!r} do not parse: {err}") from None
     out: list = []
     for group in parsed.composition:
         if group == "…":
@@ -190,15 +198,15 @@ def parse_dims(expr: str, ndim: int | None = None, *, path: str | None = None) -
             out.append(None if not names else names[0] if len(names) == 1 else names)
     if ... in out:
         if ndim is None or ndim < len(out) - 1:
-            raise ValueError(f"{where}dim names {expr!r} need a tensor of at least {len(out) - 1} dims")
+            raise ValueError(f"dim names {expr!r} need a tensor of at least {len(out) - 1} dims")
         at = out.index(...)
         out[at : at + 1] = [None] * (ndim - len(out) + 1)
     if ndim is not None and len(out) != ndim:
         raise ValueError(
-            f"{where}dim names {expr!r} name {len(out)} dims but the tensor has {ndim}. "
+            f"dim names {expr!r} name {len(out)} dims but the tensor has {ndim}. "
             "Fix: give one name per dim (use `1` for an unnamed dim or `...` for leading dims)"
         )
-    return out
+    return tuple(out)
 
 
 def dims(expr: str, /, *, logical: LogicalRules | Mapping, ndim: int | None = None) -> P:

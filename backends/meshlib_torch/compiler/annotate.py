@@ -15,10 +15,11 @@ import math
 
 import torch
 import torch.fx as fx
-from meshlib import Mesh, NamedSharding, P, apply_rules
+
+from meshlib import Mesh, P, apply_rules, tree_shardings
 
 from .bind import bind
-from .placements import PARTIAL, R, Layout, Shard
+from .placements import PARTIAL, Layout, R, Shard
 
 
 def spec_to_layout(spec: P, mesh: Mesh) -> Layout:
@@ -58,19 +59,11 @@ def layout_to_spec(layout: Layout, mesh: Mesh, ndim: int) -> P:
 
 def param_specs(params: dict[str, torch.Tensor], rules, mesh: Mesh) -> dict[str, P]:
     """Apply the rules; every spec is checked against the mesh and the parameter's shape."""
-    flat = {name: p for name, p in params.items()}
-    specs = apply_rules(flat, rules) if callable(rules) else dict(rules)
-    missing = sorted(set(flat) - set(specs))
+    specs = apply_rules(params, rules) if callable(rules) else dict(rules)
+    missing = sorted(set(params) - set(specs))
     if missing:
         raise ValueError(f"no spec for parameters {missing}; give every parameter a spec or a rule default")
-    errors = []
-    for name, p in flat.items():
-        try:
-            NamedSharding(mesh, specs[name]).check(tuple(p.shape), path=name)
-        except ValueError as err:
-            errors.append(str(err))
-    if errors:
-        raise ValueError("parameter specs do not fit the mesh:\n  " + "\n  ".join(errors))
+    tree_shardings(params, {n: specs[n] for n in params}, mesh)  # raises, naming every parameter that does not fit
     return specs
 
 

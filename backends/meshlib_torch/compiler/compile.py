@@ -8,17 +8,22 @@ graph (run later by the runtime, on a real DeviceMesh) and the core's `Plan`.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from meshlib import Collective, Mesh, P, Plan
+
+from meshlib import Collective, Memory, Mesh, P, Plan
 
 from . import annotate as _annotate
 from .localize import SpecialSpec, fold_scalars, localize
 from .placements import Layout, Shard
 from .propagate import Axes, NodePlan, propagate
 from .redistribute import CommSpec, collective_records, insert_comms
+from .shapes import local_shape
 from .trace import Traced, trace
 
 
@@ -53,6 +58,19 @@ def default_in_spec(mesh: Mesh) -> P:
     return P(data) if data else P()
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """The compiler allocates many small, long-lived objects (graph nodes, fake tensors):
+    full collections over them made compile time grow faster than the model."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def compile_model(
     model: torch.nn.Module,
     /,
@@ -65,6 +83,12 @@ def compile_model(
     tp_axis: str = "tp",
     seq_dim: int = 1,
 ) -> Compiled:
+    """Compile `model` for `mesh`: no processes, no real memory (the model may be on meta)."""
+    with _gc_paused():
+        return _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp_axis, seq_dim)
+
+
+def _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp_axis, seq_dim) -> Compiled:
     traced = trace(model, example_inputs)
     gm = traced.gm
     fold_scalars(gm)
@@ -79,7 +103,7 @@ def compile_model(
     comms = insert_comms(gm, plans, axes)
     specials = localize(gm, plans, axes, set(traced.params))
     gm.graph.lint()
-    plan = _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sequence_parallel)
+    plan = _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sequence_parallel, layouts)
     buffers = {n: b for n, b in gm.named_buffers()}
     return Compiled(mesh, axes, gm.graph, traced, comms, specials, specs, layouts, in_layouts, names, plan, buffers, plans)
 
@@ -107,7 +131,7 @@ def _input_layouts(names, in_specs, mesh: Mesh, example_inputs) -> dict[str, Lay
     return out
 
 
-def _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sp) -> Plan:
+def _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts) -> Plan:
     records = collective_records(comms, axes)
     records += _special_records(specials, axes)
     collectives = [
@@ -123,7 +147,24 @@ def _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sp) -> Plan
     if fallback:
         notes["ops run replicated (no rule)"] = ", ".join(fallback)
     notes["sequence parallel"] = "on" if sp else "off"
-    return Plan(mesh, specs=specs, collectives=collectives, notes=notes)
+    return Plan(mesh, specs=specs, collectives=collectives, notes=notes, memory=_memory(traced, layouts, plans, axes))
+
+
+_ALIASES = {"view", "transpose", "permute", "expand", "item", "index", "slice", "select", "split", "scalar", "drop"}
+
+
+def _memory(traced: Traced, layouts: dict[str, Layout], plans: dict, axes: Axes) -> Memory:
+    """Bytes per rank: parameters and gradients in their shards, AdamW's two moments,
+    and the activations the forward keeps (every op output that is not a view)."""
+    params = 0
+    for name, p in traced.params.items():
+        params += math.prod(local_shape(tuple(p.shape), layouts[name], axes.sizes)) * p.element_size()
+    acts = 0
+    for node, plan in plans.items():
+        val = node.meta.get("val")
+        if node.op in ("call_function", "call_method") and plan.view.kind not in _ALIASES and torch.is_tensor(val):
+            acts += math.prod(local_shape(tuple(val.shape), plan.out, axes.sizes)) * val.element_size()
+    return Memory(params=params, grads=params, optimizer=2 * params, activations=acts, peak=4 * params + acts)
 
 
 def _special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:
@@ -140,7 +181,7 @@ def _special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:
                 n_val = 1 if what == "max" else 2
                 out.append(
                     dict(
-                        kind="all_reduce", axes=(axis,), bytes=rows * 4 * n_val, node=spec.name, op="cross_entropy",
+                        kind="all_reduce", axes=(axis,), bytes=rows * spec.args["itemsize"] * n_val, node=spec.name, op="cross_entropy",
                         source="", reason=f"loss-parallel {what}", phase="forward", group=sizes[axis], bus=0,
                     )
                 )  # fmt: skip

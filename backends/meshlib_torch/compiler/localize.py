@@ -134,8 +134,10 @@ def _ce_args(plan: NodePlan, axes: Axes) -> dict:
     n_classes = plan.view.shape(plan.view.tensors[0])[1]
     vocab_size = math.prod(_sizes(axes)[a] for a in vocab)
     local = local_shape(plan.view.shape(plan.view.tensors[0]), logits, axes.sizes)
+    val = plan.view.tensors[0].meta["val"]
     return {
         "rows_local": local[0],
+        "itemsize": 4 if val.dtype in (torch.float16, torch.bfloat16) else val.element_size(),
         "vocab_axis": vocab[0] if vocab else None,
         "rows_axes": tuple(rows),
         "local_classes": n_classes // vocab_size,

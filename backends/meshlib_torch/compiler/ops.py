@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .bind import OpView, dims_arg
-from .placements import PARTIAL, R, Partial, Placement, Replicate, Shard
+from .placements import PARTIAL, Partial, Placement, R, Replicate, Shard
 from .shapes import view_dim_map
 
 Out = Placement | tuple[Placement, ...]

@@ -4,7 +4,8 @@ Nodes are visited in order. On each mesh axis, every strategy the op's rule
 lists is priced by the bytes its input changes would move (`placements.cost`)
 and the cheapest is taken; ties go to the strategy listed first. A layout an
 earlier consumer already asked for is free to reuse. Parameters keep the
-layouts their specs declare: only activations are redistributed. The result
+layouts their specs declare: only activations are redistributed, unless an op
+has no other way (then the weight is gathered, and the plan shows it). The result
 is, per node, the layout of its output and the layout each input must have.
 """
 
@@ -18,7 +19,7 @@ import torch.fx as fx
 
 from .bind import OpView, bind
 from .ops import RULES, Strategy
-from .placements import INF, R, Layout, Shard, cost
+from .placements import INF, Layout, R, Shard, cost
 from .shapes import divides
 
 
@@ -37,6 +38,11 @@ class Axes:
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     slice_dims: tuple[tuple[str, int, int], ...] = ()  # (axis, dim, size): outputs may be sharded here
+
+
+# Moving a parameter (all-gathering a weight every step) is the last resort: it is
+# what a strategy costs when its declared layout leaves an op no other way.
+PARAM_MOVE_PENALTY = 1e6
 
 
 def _bytes(val) -> float:
@@ -64,11 +70,11 @@ def _choose(view: OpView, cur: list[Layout], axes: Axes, i: int, shape_after: li
         for k, (x, src, dst) in enumerate(zip(view.tensors, cur_i, strat.inputs)):
             if dst in avail.get((x, i), ()):
                 continue  # an earlier consumer already made this layout
-            if x.meta.get("param") and dst != src:
-                total = INF  # declared parameter layouts are kept; activations move instead
-                break
             val = x.meta["val"]
-            total += cost(src, dst, _full_bytes(val, cur[k], axes, i), n, slice_ok=slice_ok, grad=val.requires_grad)
+            step = cost(src, dst, _full_bytes(val, cur[k], axes, i), n, slice_ok=slice_ok, grad=val.requires_grad)
+            if x.meta.get("param") and dst != src:
+                step *= PARAM_MOVE_PENALTY  # declared parameter layouts are kept; activations move instead
+            total += step
         if total < best_cost:
             best, best_cost = strat, total
     if best is None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .placements import PARTIAL, R, Layout, Partial, Pending, Replicate, bus_bytes, kind, natural_grad
+from .placements import PARTIAL, Layout, Partial, Pending, R, Replicate, bus_bytes, kind, natural_grad
 from .propagate import Axes, NodePlan
 from .trace import source_line
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 import re
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -39,18 +40,42 @@ class Traced:
 
 
 class _Tracer(fx.Tracer):
+    """fx's tracer, proxying buffers too, and noting each node's innermost user frame
+    (fx's own stack traces cost more than the rest of tracing together)."""
+
     proxy_buffer_attributes = True
 
-    def __init__(self):
+    def __init__(self, model: nn.Module):
         super().__init__()
-        self.record_stack_traces = True
+        named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+        self._names: dict[int, str] = {}
+        for name, t in named:
+            self._names.setdefault(id(t), name)
+
+    def getattr(self, attr: str, attr_val, parameter_proxy_cache: dict):
+        # fx looks each parameter up by scanning all of them (quadratic on deep models)
+        name = self._names.get(id(attr_val)) if torch.is_tensor(attr_val) else None
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def create_node(self, *args, **kwargs) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        frame = sys._getframe(1)
+        while frame is not None and _TORCH_DIR.search(frame.f_code.co_filename):
+            frame = frame.f_back
+        if frame is not None:
+            node.meta["stack_trace"] = f'File "{frame.f_code.co_filename}", line {frame.f_lineno}'
+        return node
 
 
 def trace(model: nn.Module, example_inputs: tuple, /) -> Traced:
     """Trace `model` called on `example_inputs` (tensors of the global shape, any device)."""
     canon, aliases = _canonical_params(model)
     try:
-        graph = _Tracer().trace(model)
+        graph = _Tracer(model).trace(model)
         gm = fx.GraphModule(model, graph)
         path, reason = "fx", ""
     except Exception as err:  # noqa: BLE001 - any tracer failure means: try export
@@ -223,7 +248,13 @@ class _Recorder(fx.Interpreter):
 
 def annotate_values(gm: fx.GraphModule, example_inputs: tuple) -> None:
     """Run `gm` on fake tensors; every node gets `meta["val"]` (global shapes)."""
-    device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    tensors = list(gm.parameters()) + list(gm.buffers())
+    if tensors and all(t.is_meta for t in tensors):
+        # meta kernels alone are several times faster than fake tensors
+        metas = tuple(torch.empty_like(x, device="meta") if torch.is_tensor(x) else x for x in example_inputs)
+        _Recorder(gm).run(*metas)
+        return
+    device = tensors[0].device if tensors else torch.device("cpu")
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fakes = tuple(mode.from_tensor(x.to(device)) if torch.is_tensor(x) else x for x in example_inputs)
         _Recorder(gm).run(*fakes)
@@ -231,6 +262,8 @@ def annotate_values(gm: fx.GraphModule, example_inputs: tuple) -> None:
 
 def source_line(node: fx.Node) -> str:
     """`file.py:LINE` of the user code that made `node` (outside torch itself)."""
+    if node.op == "output":
+        return "(graph output)"
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
     user = [(f, ln) for f, ln in frames if not _TORCH_DIR.search(f)]

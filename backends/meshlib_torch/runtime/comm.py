@@ -70,6 +70,11 @@ def _unblocks(stacked: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
     return v.reshape(shape[:dim] + [groups * n * block] + shape[dim + 1 :])
 
 
+# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _flat0(shape) -> tuple[int, ...]:
     """c10d's *_into_tensor / *_tensor collectives concatenate ranks along dim 0."""
     return (shape[0] * shape[1],) + tuple(shape[2:]) if len(shape) > 1 else (shape[0],)
@@ -78,14 +83,14 @@ def _flat0(shape) -> tuple[int, ...]:
 def all_gather(x: torch.Tensor, p: Shard, group, n: int) -> torch.Tensor:
     x = x.contiguous()
     flat = torch.empty(_flat0((n,) + tuple(x.shape)) if x.dim() else (n,), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(flat, x if x.dim() else x.reshape(1), group=group)
+    _all_gather_single(flat, x if x.dim() else x.reshape(1), group=group)
     return _unblocks(flat.reshape((n,) + tuple(x.shape)), p.dim, p.groups)
 
 
 def reduce_scatter(x: torch.Tensor, p: Shard, group, n: int) -> torch.Tensor:
     stacked = _blocks(x, p.dim, p.groups, n).contiguous()
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, stacked.reshape(_flat0(stacked.shape)), group=group)
+    _reduce_scatter_single(out, stacked.reshape(_flat0(stacked.shape)), group=group)
     return out
 
 

@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
-from meshlib import Mesh
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from meshlib import Mesh
 
 from ..compiler import placements as pl
 from ..compiler.compile import Compiled, compile_model
@@ -97,12 +98,17 @@ def parallelize(
     in_specs=None,
     compiled: Compiled | None = None,
 ) -> Parallel:
-    """Compile `model` and build it on this rank's devices (call on every rank)."""
+    """Compile `model` and build it on this rank's devices (call on every rank).
+
+    Every check (mesh size against the world, rules, specs, input shapes)
+    runs before the first collective, so bad input raises on every rank alike.
+    """
     mdist.init()
-    dm = mdist.device_mesh(mesh)
+    mesh.check_world_size(torch.distributed.get_world_size())
     compiled = compiled or compile_model(
         model, mesh=mesh, rules=rules, example_inputs=example_inputs, in_specs=in_specs, sequence_parallel=sequence_parallel
     )
+    dm = mdist.device_mesh(mesh)
     gm = lower(compiled, dm, model, init=init, seed=seed, dtype=dtype)
     return Parallel(compiled, gm, dm)
 

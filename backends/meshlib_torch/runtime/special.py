@@ -71,7 +71,9 @@ def _all_reduce(x: torch.Tensor, group, op, counter: CommCounter, axis: str) -> 
 class CrossEntropy(nn.Module):
     """F.cross_entropy on logits split over classes (`vocab_axis`) and/or rows (`rows_axes`)."""
 
-    def __init__(self, *, vocab_axis, rows_axes, local_classes, reduction, ignore_index, groups, ranks, counter=COUNTER, **_):
+    def __init__(
+        self, *, vocab_axis, rows_axes, local_classes, reduction, ignore_index, groups, ranks, counter=COUNTER, **_
+    ):
         super().__init__()
         self.vocab_axis = vocab_axis
         self.vocab_group = groups.get(vocab_axis) if vocab_axis else None

@@ -4,7 +4,8 @@
 returns, on every rank, the per-step losses and gradient norms and the full
 parameters after the last step. `train_reference` runs the unsharded model in
 this process with the same initial values, data and optimizer. `compare`
-checks them within the dtype's tolerance: fp32 rtol 1e-5, fp64 rtol 1e-12.
+checks them within the dtype's tolerance: fp64 rtol/atol 1e-12; fp32 rtol
+1e-5 with torch.testing's fp32 atol of 1e-5.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from meshlib import Mesh
 
 from .. import data, models
 from ..runtime.materialize import init_full
 from ..runtime.parallel import parallelize
 
-TOLERANCE = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 2e-2)}
+# (rtol, atol): DESIGN.md's contract; fp32's atol is torch.testing's default for fp32.
+TOLERANCE = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
 @dataclass
@@ -73,14 +76,14 @@ def train_reference(run: RunConfig) -> RunResult:
         loss = model(tokens, targets)
         loss.backward()
         norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad()
     return RunResult(losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-def train_parallel(run: RunConfig) -> RunResult:
-    """Call on every rank; every rank returns the same result."""
+def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
+    """Call on every rank; every rank returns the same result. `progress` shows a bar with the loss."""
     from ..runtime.comm import COUNTER
 
     cfg = models.config(run.model, **run.overrides)
@@ -98,16 +101,18 @@ def train_parallel(run: RunConfig) -> RunResult:
     )
     opt = _optimizer(par.parameters(), run.lr)
     losses, norms = [], []
-    for step in range(run.steps):
-        tokens, targets = data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
-        COUNTER.reset()
-        loss = par(tokens, targets)
-        loss.backward()
-        comm = COUNTER.snapshot()
-        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in par.parameters()]).full_tensor()))
-        losses.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad()
+    with _Progress(run.steps, f"{run.model} on {run.mesh}", enabled=progress) as bar:
+        for step in range(run.steps):
+            tokens, targets = data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
+            COUNTER.reset()
+            loss = par(tokens, targets)
+            loss.backward()
+            comm = COUNTER.snapshot()
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in par.parameters()]).full_tensor()))
+            losses.append(float(loss.detach()))
+            opt.step()
+            opt.zero_grad()
+            bar.step(step, losses[-1], norms[-1])
     params = {_fqn(n): p.full_tensor().detach().clone() for n, p in par.named_parameters()}
     return RunResult(losses, norms, params, par.plan, comm)
 
@@ -116,9 +121,56 @@ def _fqn(name: str) -> str:
     return name.removeprefix("gm.")
 
 
-def compare(ref: RunResult, par: RunResult, dtype: torch.dtype) -> dict:
-    """Max differences; raises AssertionError naming what differs beyond the tolerance."""
+class _Progress:
+    """A rich progress bar printing each step's loss (silent when disabled or without rich)."""
+
+    def __init__(self, total: int, title: str, *, enabled: bool):
+        self.total, self.title, self.enabled, self._bar = total, title, enabled, None
+
+    def __enter__(self):
+        if self.enabled:
+            try:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            except ImportError:
+                self._bar = None
+            else:
+                self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+                self._bar.__enter__()
+                self._task = self._bar.add_task(self.title, total=self.total)
+        return self
+
+    def step(self, step: int, loss: float, norm: float) -> None:
+        if not self.enabled:
+            return
+        line = f"step {step:3d}  loss {loss:.5f}  grad norm {norm:.4f}"
+        if self._bar is None:
+            print(line, flush=True)
+            return
+        self._bar.console.print(line)
+        self._bar.update(self._task, advance=1)
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+
+def compare(ref: RunResult, par: RunResult, dtype: torch.dtype, *, check: bool = True) -> dict:
+    """Max differences (and "ok": within tolerance); with `check`, raise naming what differs."""
     rtol, atol = TOLERANCE[dtype]
+    if not check:
+        out = _diffs(ref, par)
+        try:
+            compare(ref, par, dtype)
+            out["ok"] = True
+        except AssertionError:
+            out["ok"] = False
+        return out
+    out = _diffs(ref, par)
+    _assert_close(ref, par, rtol, atol)
+    return out
+
+
+def _diffs(ref: RunResult, par: RunResult) -> dict:
     out = {"loss": max(abs(a - b) for a, b in zip(ref.losses, par.losses))}
     out["grad_norm"] = max(abs(a - b) for a, b in zip(ref.grad_norms, par.grad_norms))
     missing = sorted(set(ref.params) ^ set(par.params))
@@ -126,8 +178,11 @@ def compare(ref: RunResult, par: RunResult, dtype: torch.dtype) -> dict:
         raise AssertionError(f"parameter names differ: {missing}")
     worst = max(ref.params, key=lambda n: float((ref.params[n] - par.params[n]).abs().max()))
     out["param"] = float((ref.params[worst] - par.params[worst]).abs().max())
+    return out
+
+
+def _assert_close(ref: RunResult, par: RunResult, rtol: float, atol: float) -> None:
     torch.testing.assert_close(torch.tensor(par.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
     torch.testing.assert_close(torch.tensor(par.grad_norms), torch.tensor(ref.grad_norms), rtol=rtol, atol=atol)
     for name in ref.params:
         torch.testing.assert_close(par.params[name], ref.params[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
-    return out

@@ -1,0 +1,1 @@
+"""Runtime: process groups, materialization, parallelisms and checkpoints under torchrun."""

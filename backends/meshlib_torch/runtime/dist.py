@@ -1,0 +1,146 @@
+"""Process groups for a meshlib `Mesh`: one code path for NCCL (cuda) and gloo (cpu).
+
+The device type picks the backend, and nothing else differs between the two.
+`device_mesh(mesh)` builds torch's `DeviceMesh` with the mesh's axis names and
+sizes, so rank `r` sits at `mesh.coords(r)` (row-major, the last axis fastest),
+and `group(dm, axes)` is the process group whose rank order is the core's
+`mesh.group(rank, axes)` order (first axis major). Both are checked when a
+group is first made.
+
+Every group gets a bounded timeout. `init_process_group(timeout=...)` applies
+only to the world group: DeviceMesh sub-groups fall back to torch's 30-minute
+default, so a rank that skips a collective would hang its peers for half an hour.
+
+Example (under torchrun with 4 processes):
+
+    dist.init(timeout=60)
+    dm = dist.device_mesh(Mesh(dp=2, tp=2))
+    torch.distributed.all_reduce(t, group=dist.group(dm, "tp"))
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as c10d
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshlib import Mesh
+
+__all__ = ["device_type", "backend", "init", "device_mesh", "group", "shutdown"]
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_MESHES: dict[tuple[Mesh, float | None], DeviceMesh] = {}
+_TIMEOUTS: dict[int, timedelta] = {}  # id(DeviceMesh) -> the timeout of its groups
+_GROUPS: dict[tuple[int, tuple[str, ...]], tuple[DeviceMesh, c10d.ProcessGroup]] = {}  # pins the mesh: ids stay unique
+
+
+def device_type() -> str:
+    """The device type: "cuda" when a GPU is visible, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend() -> str:
+    """The collective backend for `device_type()`: "nccl" or "gloo"."""
+    return "nccl" if device_type() == "cuda" else "gloo"
+
+
+def init(*, timeout: float = 120.0) -> None:
+    """Join the world process group from torchrun's environment; a no-op if already joined."""
+    if c10d.is_initialized():
+        return
+    missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        raise ValueError(
+            f"meshlib_torch.runtime.dist.init needs the torchrun environment; {', '.join(missing)} "
+            "not set. Fix: launch with `torchrun --nproc-per-node N script.py`"
+        )
+    if device_type() == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    c10d.init_process_group(backend(), timeout=timedelta(seconds=timeout))
+
+
+def device_mesh(mesh: Mesh, *, timeout: float | None = None) -> DeviceMesh:
+    """The `DeviceMesh` for `mesh`, made once per process and cached.
+
+    Raises ValueError on every rank, before any collective, if the mesh does
+    not cover the world. `timeout` (seconds; default: the world group's) is set
+    on every group of the mesh. For a 1-D mesh over the whole world that group
+    is the world group itself.
+    """
+    if not c10d.is_initialized():
+        raise ValueError("device_mesh needs a process group; call meshlib_torch.runtime.dist.init() first")
+    mesh.check_world_size(c10d.get_world_size())
+    key = (mesh, timeout)
+    if key not in _MESHES:
+        dm = init_device_mesh(device_type(), mesh.axis_sizes, mesh_dim_names=mesh.axis_names)
+        limit = _world_timeout() if timeout is None else timedelta(seconds=timeout)
+        _TIMEOUTS[id(dm)] = limit
+        for name, pg in zip(mesh.axis_names, dm.get_all_groups(), strict=True):
+            _set_timeout(pg, limit)
+            _check_order(dm, (name,), pg)
+        _MESHES[key] = dm
+    return _MESHES[key]
+
+
+def group(dm: DeviceMesh, axes: str | tuple[str, ...]) -> c10d.ProcessGroup:
+    """The process group over one axis of `dm`, or over several flattened (first axis major).
+
+    Several axes must be given in mesh order: `("dp", "tp")` on a (dp, tp)
+    mesh, never `("tp", "dp")`. The group's rank order equals
+    `Mesh.group(rank, axes)`.
+    """
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    names = tuple(dm.mesh_dim_names or ())
+    unknown = [a for a in axes if a not in names]
+    if unknown or not axes:
+        raise ValueError(f"group axes {axes} are not axes of this device mesh {names}. Fix: use some of {names}")
+    order = [names.index(a) for a in axes]
+    if order != sorted(set(order)):
+        raise ValueError(
+            f"group axes {axes} are not in mesh order {names}. Fix: pass "
+            f"{tuple(sorted(axes, key=names.index))}; a tp-major rank order is a layout "
+            "(_StridedShard), not a process group"
+        )
+    if len(axes) == 1:
+        return dm.get_group(axes[0])
+    key = (id(dm), axes)
+    if key not in _GROUPS:
+        pg = dm[axes]._flatten("_".join(axes)).get_group()
+        _set_timeout(pg, _TIMEOUTS.get(id(dm)) or _world_timeout())
+        _check_order(dm, axes, pg)
+        _GROUPS[key] = (dm, pg)
+    return _GROUPS[key][1]
+
+
+def shutdown() -> None:
+    """Leave the world process group (if joined) and forget every cached mesh and group."""
+    _MESHES.clear()
+    _TIMEOUTS.clear()
+    _GROUPS.clear()
+    if c10d.is_initialized():
+        c10d.destroy_process_group()
+
+
+def _world_timeout() -> timedelta:
+    """The timeout the world group was created with."""
+    return c10d.group.WORLD._get_backend(torch.device(device_type())).options._timeout
+
+
+def _set_timeout(pg: c10d.ProcessGroup, limit: timedelta) -> None:
+    c10d.distributed_c10d._set_pg_timeout(limit, pg)
+
+
+def _check_order(dm: DeviceMesh, axes: tuple[str, ...], pg: c10d.ProcessGroup) -> None:
+    """Raise unless `pg` lists this rank's group in the core's `Mesh.group` order."""
+    ranks = dm.mesh.flatten().tolist()
+    core = Mesh(tuple(dm.mesh.shape), tuple(dm.mesh_dim_names))
+    expected = [ranks[i] for i in core.group(ranks.index(c10d.get_rank()), axes)]
+    actual = c10d.get_process_group_ranks(pg)
+    if actual != expected:
+        raise RuntimeError(
+            f"process group over {axes} has ranks {actual} but the mesh order is {expected}; "
+            "collectives over it would not match meshlib's layouts"
+        )

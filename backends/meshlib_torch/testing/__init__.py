@@ -1,0 +1,1 @@
+"""Test helpers: multi-rank pools of gloo workers and parity harnesses."""

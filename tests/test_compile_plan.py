@@ -1,0 +1,111 @@
+"""The compiler's plans, on the meta device with an abstract mesh (no processes).
+
+Method: compile the bundled models and check the collectives the plan lists
+against closed forms: Megatron's per-layer count and bytes (2 all-reduces of
+b*s*h forward and 2 backward, or an all-gather plus a reduce-scatter each with
+sequence parallelism), one data-parallel gradient all-reduce per parameter
+shard, and no gather for a fused qkv projection.
+"""
+
+import math
+
+import pytest
+import torch
+from meshlib_torch import compile_model
+from meshlib_torch.compiler.placements import Shard
+from meshlib_torch.models import build, config, default_rules
+
+from meshlib import Mesh, P, pattern_rules
+
+B, T = 4, 16
+
+
+def _compile(name, mesh, sp=False, batch=B, **overrides):
+    model = build(name, **overrides)
+    x = torch.zeros(batch, T, dtype=torch.long, device="meta")
+    return compile_model(model, mesh=mesh, rules=default_rules(name, mesh), example_inputs=(x, x.clone()), sequence_parallel=sp)
+
+
+def _count(plan, phase, kind, axis, nbytes=None):
+    return sum(
+        c.count for c in plan.collectives if (c.phase, c.kind, c.axes) == (phase, kind, (axis,)) and (nbytes is None or c.bytes == nbytes)
+    )
+
+
+def test_trace_paths_are_recorded():
+    gpt = _compile("gpt-tiny", Mesh(tp=2)).plan.note_map
+    assert gpt["trace"] == "export" and "control flow" in gpt["trace fallback reason"]
+    assert _compile("llama-tiny", Mesh(tp=2)).plan.note_map["trace"] == "fx"
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_megatron_all_reduces(name, tp):
+    """Forward: embedding + 2 per layer; backward: 2 per layer + the head's input; each b*s*h."""
+    cfg = config(name)
+    layers, h = getattr(cfg, "n_layers", None) or cfg.n_layer, getattr(cfg, "dim", None) or cfg.n_embd
+    plan = _compile(name, Mesh(tp=tp)).plan
+    bsh = B * T * h * 4
+    assert _count(plan, "forward", "all_reduce", "tp", bsh) == 2 * layers + 1
+    assert _count(plan, "backward", "all_reduce", "tp", bsh) == 2 * layers + 1
+    assert _count(plan, "forward", "all_gather", "tp") == 0  # the fused qkv split needs no gather
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
+def test_sequence_parallel_swaps_each_all_reduce(name):
+    cfg = config(name)
+    layers, h = getattr(cfg, "n_layers", None) or cfg.n_layer, getattr(cfg, "dim", None) or cfg.n_embd
+    plan = _compile(name, Mesh(tp=2), sp=True).plan
+    bsh = B * T * h * 4
+    assert _count(plan, "forward", "all_reduce", "tp", bsh) == 0
+    assert _count(plan, "forward", "reduce_scatter", "tp", bsh) == 2 * layers + 1
+    assert _count(plan, "forward", "all_gather", "tp", bsh) == 2 * layers + 1
+    assert _count(plan, "backward", "reduce_scatter", "tp", bsh) == 2 * layers + 1
+    assert plan.note_map["sequence parallel"] == "on"
+
+
+def test_fused_qkv_holds_whole_heads():
+    c = _compile("gpt-tiny", Mesh(tp=2))
+    assert c.param_layouts["h.0.attn.c_attn.weight"] == (Shard(0, 3),)
+    assert c.param_layouts["h.0.attn.c_attn.bias"] == (Shard(0, 3),)
+    assert c.local_param_shape("h.0.attn.c_attn.weight") == (48, 32)
+    assert "h.0.attn.c_attn.weight (3 parts)" in c.plan.note_map["fused projections"]
+
+
+def test_data_parallel_sync_is_one_all_reduce_per_parameter_shard():
+    c = _compile("llama-tiny", Mesh(dp=2, tp=2))
+    dp = [col for col in c.plan.collectives if col.axes == ("dp",) and col.phase == "backward"]
+    local_bytes = sum(math.prod(c.local_param_shape(n)) * 4 for n in c.traced.params)
+    assert sum(col.bytes for col in dp) == local_bytes
+    assert {col.kind for col in dp} == {"all_reduce"}
+
+
+def test_memory_per_rank_is_the_shards():
+    c = _compile("llama-tiny", Mesh(dp=2, tp=2))
+    local = sum(math.prod(c.local_param_shape(n)) * 4 for n in c.traced.params)
+    full = sum(p.numel() * 4 for p in c.traced.params.values())
+    m = c.plan.memory
+    assert m.params == local and m.grads == local and m.optimizer == 2 * local
+    assert local < full and m.activations > 0 and m.peak == 4 * local + m.activations
+
+
+def test_plan_round_trips_and_lists_provenance():
+    plan = _compile("llama-tiny", Mesh(tp=2)).plan
+    assert type(plan).from_json(plan.to_json()) == plan
+    sources = {c.source for c in plan.collectives if c.kind == "all_reduce" and c.phase == "forward"}
+    assert any(s.startswith("llama.py:") for s in sources)
+
+
+def test_bad_input_errors_name_what_to_fix():
+    model = build("llama-tiny")
+    x = torch.zeros(B, T, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match=r"no rule \(patterns 'tok_embeddings\.weight'\) matches 20 leaves: layers\.0\.attention\.wk\.weight"):
+        compile_model(model, mesh=Mesh(tp=2), rules=pattern_rules({"tok_embeddings.weight": P("tp")}), example_inputs=(x, x))
+    bad = pattern_rules({"**.wq.weight": P("tp", None)}, default=P())
+    with pytest.raises(ValueError, match=r"layers\.0\.attention\.wq\.weight: dim 0 of shape \(32, 32\) has size 32, which spec P\('tp', None\) splits 3 ways"):
+        compile_model(model, mesh=Mesh(tp=3), rules=bad, example_inputs=(x, x))
+    with pytest.raises(ValueError, match=r"layers\.0\.attention\.wq\.weight: spec P\('tp', None\) names mesh axis 'tp', but Mesh\(dp=2\) has axes \('dp',\)"):
+        compile_model(model, mesh=Mesh(dp=2), rules=bad, example_inputs=(x, x))
+    odd = torch.zeros(3, T, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match=r"input 'tokens': dim 0 of shape \(3, 16\) has size 3, which spec P\('dp'\) splits 2 ways"):
+        compile_model(model, mesh=Mesh(dp=2), rules=default_rules("llama-tiny", Mesh(dp=2)), example_inputs=(odd, odd))
