@@ -73,4 +73,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if len(sys.argv) > 1:  # `python -m meshlib plan ...` is the `meshlib` command
+        from .cli import main as cli_main
+
+        cli_main(sys.argv[1:])
+    else:
+        main()

@@ -1,0 +1,53 @@
+"""The command line: `meshlib plan` with no processes, and the torchrun main job end to end.
+
+Method: run the README's commands (shortened) in subprocesses and check what
+they print against the plan's closed forms (bytes per rank of llama-7b's
+shards) and against the single-process reference (the job's own comparison).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "COLUMNS": "200"}
+
+
+def _run(args: list[str], timeout: int = 300) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_meshlib_plan_llama_7b(tmp_path):
+    out = _run([sys.executable, "-m", "meshlib", "plan", "--model", "llama-7b", "--mesh", "dp=8,tp=4", "--json", str(tmp_path / "p.json")])
+    for piece in ("parameter layouts", "layers.*.attention.wq.weight", "collectives per step", "memory per rank", "llama.py:"):
+        assert piece in out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    # 6.74e9 fp32 parameters; every matrix except the norms is split 4 ways over tp
+    params = plan["memory"]["params"]
+    assert 6.7e9 * 4 / 4 < params < 6.8e9 * 4 / 4 + 2e7
+    assert plan["memory"]["optimizer"] == 2 * params
+
+
+def test_cli_help_and_bad_mesh():
+    assert "meshlib plan" in _run([sys.executable, "-m", "meshlib", "--help"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshlib", "plan", "--model", "gpt-tiny", "--mesh", "dp:2"], capture_output=True, text=True, env=ENV
+    )
+    assert proc.returncode != 0 and "not axis=size" in proc.stderr
+
+
+@pytest.mark.ranks
+def test_main_job_under_torchrun():
+    out = _run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "meshlib_torch", "run",
+         "--model", "gpt-tiny", "--mesh", "dp=2,tp=2", "--steps", "3", "--dtype", "float64"]
+    )  # fmt: skip
+    assert re.search(r"step +2 +loss", out)
+    assert "parallel run vs single-process reference" in out
+    diffs = dict(re.findall(r"(loss \(every step\)|parameters after 3 steps) +│? *([0-9.e+-]+)", out))
+    assert diffs and all(float(v) < 1e-12 for v in diffs.values()), out
