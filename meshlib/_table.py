@@ -18,6 +18,9 @@ class Table:
         self.rows = [tuple("" if v is None else str(v) for v in row) for row in rows]
         self.caption = caption
 
+    def __repr__(self) -> str:
+        return f"Table({self.title!r}, {len(self.rows)} rows)"
+
     def to_text(self) -> str:
         widths = [len(c) for c in self.columns]
         for row in self.rows:

@@ -43,6 +43,8 @@ class Collective:
     reason: str = ""  # the rule or placement change that put it there
     phase: str = "forward"
     count: int = 1  # occurrences per step (microbatches, layers folded together)
+    group: int = 1  # ranks in the collective
+    consumer: str = ""  # the graph node that needed the new layout
 
     def __post_init__(self):
         if self.kind not in COLLECTIVE_KINDS:
@@ -53,6 +55,13 @@ class Collective:
     @property
     def total_bytes(self) -> int:
         return self.bytes * self.count
+
+    @property
+    def bus_bytes(self) -> float:
+        """Bytes each rank sends in a ring: 2(n-1)/n of the payload for an all-reduce, (n-1)/n otherwise."""
+        n = self.group
+        factor = 2.0 if self.kind == "all_reduce" else 1.0
+        return factor * self.total_bytes * (n - 1) / n if n > 1 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +117,10 @@ class Plan:
     uneven: str = "error"
     memory: Memory | None = None
     notes: tuple[tuple[str, str], ...] = ()  # e.g. ("trace", "fx"), ("model", "llama-7b")
+    # per tensor, its placement on each mesh axis as the backend lays it out, e.g.
+    # ("h.0.attn.c_attn.weight", ("R", "S(0/3)")): "S(d/g)" splits dim d in g groups
+    # first (a fused projection), which a P cannot say
+    placements: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self):
         _set = object.__setattr__
@@ -115,6 +128,8 @@ class Plan:
             _set(self, "specs", tuple(self.specs.items()))
         if isinstance(self.notes, Mapping):
             _set(self, "notes", tuple(self.notes.items()))
+        if isinstance(self.placements, Mapping):
+            _set(self, "placements", tuple((k, tuple(v)) for k, v in self.placements.items()))
         for name in ("collectives", "stages"):
             _set(self, name, tuple(getattr(self, name)))
         for path, spec in self.specs:
@@ -133,10 +148,10 @@ class Plan:
     def replace(self, **changes) -> Plan:
         return dataclasses.replace(self, **changes)
 
-    def comm_bytes(self, *, kind: str | None = None, axes: tuple[str, ...] | None = None) -> int:
-        """Logical bytes per rank per step, optionally for one kind or axis group."""
+    def comm_bytes(self, *, kind: str | None = None, axes: tuple[str, ...] | None = None, bus: bool = False) -> float:
+        """Bytes per rank per step (payload, or ring bus bytes), optionally for one kind or axis group."""
         return sum(
-            c.total_bytes
+            c.bus_bytes if bus else c.total_bytes
             for c in self.collectives
             if (kind is None or c.kind == kind) and (axes is None or c.axes == tuple(axes))
         )

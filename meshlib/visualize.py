@@ -69,6 +69,9 @@ class Layout:
         self.panel_dims = tuple(range(0, max(0, nd - 2)))
         self._cuts = [sorted({k[d] for k in self.blocks}) for d in range(nd)]
 
+    def __repr__(self) -> str:
+        return f"layout({self.sharding!r}, {self.shape})"
+
     @property
     def title(self) -> str:
         return f"{self.sharding!r} on shape {self.shape}"

@@ -18,7 +18,7 @@ import torch
 from meshlib import Mesh, Plan
 from meshlib._table import Table, human_bytes, show
 
-from . import data, models
+from . import models
 from .testing.parity import TOLERANCE
 
 
@@ -97,7 +97,7 @@ def grouped_collectives(plan: Plan) -> Table:
     """Collectives folded by (phase, kind, axes, op, source): how many, bytes per rank per step."""
     groups: dict = defaultdict(lambda: [0, 0])
     for c in plan.collectives:
-        key = (c.phase, c.kind, ",".join(c.axes), c.op, c.source, c.reason.split(" for ")[0])
+        key = (c.phase, c.kind, ",".join(c.axes), c.op, c.source, c.reason)
         groups[key][0] += c.count
         groups[key][1] += c.total_bytes
     rows = [(*k[:3], n, human_bytes(b), k[3], k[4], k[5]) for k, (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])]
@@ -110,7 +110,7 @@ def grouped_collectives(plan: Plan) -> Table:
     )
 
 
-def param_table(compiled, *, grouped: bool) -> Table:
+def param_table(compiled, *, grouped: bool = True) -> Table:
     """Each parameter's shape, spec, per-rank shard and bytes; layers folded into `layers.*` rows."""
     rows: dict = {}
     for name, p in compiled.traced.params.items():
@@ -184,4 +184,4 @@ def main(argv: list[str] | None = None) -> None:
         run_main(args)
 
 
-__all__ = ["main", "plan_main", "run_main", "grouped_collectives", "data"]
+__all__ = ["main", "plan_main", "run_main", "grouped_collectives", "param_table"]

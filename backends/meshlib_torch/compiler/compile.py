@@ -43,6 +43,13 @@ class Compiled:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     plans: dict[fx.Node, NodePlan] = field(default_factory=dict, repr=False)
 
+    def rank_indices(self, name: str, rank: int) -> list:
+        """Per dim, the global indices of parameter `name` that `rank` holds."""
+        from ..runtime.materialize import shard_indices
+
+        coords = self.mesh.coords(rank)
+        return shard_indices(tuple(self.traced.params[name].shape), self.param_layouts[name], self.axes.sizes, [coords[a] for a in self.axes.names])
+
     def local_param_shape(self, name: str) -> tuple[int, ...]:
         shape = tuple(self.traced.params[name].shape)
         out = list(shape)
@@ -135,9 +142,12 @@ def _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts
     records = collective_records(comms, axes)
     records += _special_records(specials, axes)
     collectives = [
-        Collective(r["kind"], r["axes"], r["bytes"], r["node"], r["op"], r["source"], r["reason"], r["phase"])
+        Collective(
+            r["kind"], r["axes"], r["bytes"], r["node"], r["op"], r["source"], r["reason"], r["phase"],
+            group=r["group"], consumer=r.get("consumer", ""),
+        )
         for r in records
-    ]
+    ]  # fmt: skip
     notes = {"trace": traced.path}
     if traced.reason:
         notes["trace fallback reason"] = traced.reason
@@ -147,7 +157,11 @@ def _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts
     if fallback:
         notes["ops run replicated (no rule)"] = ", ".join(fallback)
     notes["sequence parallel"] = "on" if sp else "off"
-    return Plan(mesh, specs=specs, collectives=collectives, notes=notes, memory=_memory(traced, layouts, plans, axes))
+    placements = {n: tuple(repr(p) for p in layouts[n]) for n in specs}
+    return Plan(
+        mesh, specs=specs, collectives=collectives, notes=notes, memory=_memory(traced, layouts, plans, axes),
+        placements=placements,
+    )  # fmt: skip
 
 
 _ALIASES = {"view", "transpose", "permute", "expand", "item", "index", "slice", "select", "split", "scalar", "drop"}

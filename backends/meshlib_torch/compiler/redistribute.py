@@ -130,7 +130,7 @@ def collective_records(specs: list[CommSpec], axes: Axes) -> list[dict]:
                 out.append(
                     dict(
                         kind=k, axes=(axis,), bytes=int(payload), node=spec.producer, op=spec.op, source=spec.source,
-                        reason=f"{a!r}->{b!r} for {spec.consumer}", phase=phase, group=n, bus=bus_bytes(k, payload, n),
+                        reason=f"{a!r}->{b!r}", phase=phase, group=n, bus=bus_bytes(k, payload, n), consumer=spec.consumer,
                     )
                 )  # fmt: skip
     return out

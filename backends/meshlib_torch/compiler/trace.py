@@ -19,6 +19,7 @@ from __future__ import annotations
 import operator
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -79,7 +80,7 @@ def trace(model: nn.Module, example_inputs: tuple, /) -> Traced:
         gm = fx.GraphModule(model, graph)
         path, reason = "fx", ""
     except Exception as err:  # noqa: BLE001 - any tracer failure means: try export
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}{_where(err)}"
         gm = _export(model, example_inputs)
         path = "export"
     _inline_leaf_modules(gm, model)
@@ -89,6 +90,12 @@ def trace(model: nn.Module, example_inputs: tuple, /) -> Traced:
     gm.recompile()
     annotate_values(gm, example_inputs)
     return Traced(gm, path, reason, canon, aliases)
+
+
+def _where(err: BaseException) -> str:
+    """` at file.py:LINE`: the last frame of user code in the traceback."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not _TORCH_DIR.search(f.filename)]
+    return f" at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else ""
 
 
 def _canonical_params(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
