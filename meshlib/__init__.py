@@ -21,7 +21,7 @@ from .schedules import (
     zbv,
 )
 from .sharding import UNEVEN_POLICIES, NamedSharding
-from .simulation import Simulation, bubble_formula, gantt, simulate, validate
+from .simulation import Simulation, bubble_formula, gantt, simulate, validate_schedule
 from .spec import UNCONSTRAINED, P
 from .tree import (
     ShapeDtype,
@@ -79,7 +79,7 @@ __all__ = [
     "simulate",
     "tree_shardings",
     "unflatten_dotted",
-    "validate",
+    "validate_schedule",
     "zb_h1",
     "zbv",
 ]

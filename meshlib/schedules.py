@@ -4,18 +4,19 @@ A schedule splits the model into `p * v` stages over `p` pipeline ranks (`v` chu
 rank) and the batch into `m` microbatches. Each rank runs its tuple of `Action`s in order.
 `meshlib.simulate` times a schedule and `meshlib.validate` checks that it can run at all.
 
-| name               | generator          | v         | m               | source                           |
-| ------------------ | ------------------ | --------- | --------------- | -------------------------------- |
-| `gpipe`            | `gpipe`            | 1         | any             | Huang et al. 2019                |
-| `1f1b`             | `one_f_one_b`      | 1         | any             | Narayanan et al. 2021 (PipeDream-flush) |
-| `interleaved-1f1b` | `interleaved_1f1b` | any (2)   | multiple of p   | Narayanan et al. 2021 (Megatron) |
-| `zb-h1`            | `zb_h1`            | any (1)   | any; v > 1: multiple of p | Qi et al. 2023, section 3.1 |
-| `zbv`              | `zbv`              | 2         | any             | Qi et al. 2023, section 6        |
+| name               | generator          | v       | m                        | source                    |
+| ------------------ | ------------------ | ------- | ------------------------ | ------------------------- |
+| `gpipe`            | `gpipe`            | 1       | any                      | Huang et al. 2019         |
+| `1f1b`             | `one_f_one_b`      | 1       | any                      | Narayanan et al. 2021     |
+| `interleaved-1f1b` | `interleaved_1f1b` | 2, any  | multiple of p            | Narayanan et al. 2021     |
+| `zb-h1`            | `zb_h1`            | 1, any  | any; v > 1: multiple of p | Qi et al. 2023, ZB-H1     |
+| `zbv`              | `zbv`              | 2       | any                      | Qi et al. 2023, ZB-V      |
+
+(1F1B is PipeDream-flush; interleaved-1f1b is Megatron's; a default v comes first.)
 
 `schedule(name, p, m, v)` builds one by name and also takes torch.distributed.pipelining's
-class names (`ScheduleGPipe`, ..., `ScheduleZBVZeroBubble`). For the orders checked here
-(m a multiple of p where interleaved) the per-rank lists equal those torch 2.13 builds
-(`ScheduleInterleavedZeroBubble` is `zb_h1` with v=2 chunks by default).
+class names (`ScheduleGPipe`, ..., `ScheduleZBVZeroBubble`); the per-rank orders are the ones
+those classes run in torch 2.13 (`ScheduleInterleavedZeroBubble` is `zb_h1` with v=2 by default).
 
 Example:
     >>> s = one_f_one_b(2, 3)
@@ -99,12 +100,14 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"Schedule name must be a str, got {self.name!r}")
         _check_counts(self.name or "Schedule", p=self.p, m=self.m, v=self.v)
         _set = object.__setattr__
         _set(self, "placement", tuple(self.placement))
-        if not isinstance(self.name, str):
-            raise TypeError(f"Schedule name must be a str, got {self.name!r}")
         if isinstance(self.actions, Mapping):
+            if bad := sorted(set(self.actions) - set(range(self.p)), key=repr):
+                raise ValueError(f"Schedule actions name ranks {bad} outside 0..{self.p - 1}")
             _set(self, "actions", tuple(self.actions.get(r, ()) for r in range(self.p)))
         _set(self, "actions", tuple(tuple(row) for row in self.actions))
         for r, row in enumerate(self.actions):
@@ -189,7 +192,7 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
 
 
 def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
-    """ZB-H1 (Qi et al. 2023, section 3.1): 1F1B with each backward split into I (input grad)
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with each backward split into I (input grad)
     and W (weight grad), and rank `r` running its W `r` places late so that the I's reach
     the first rank sooner and the late W's fill the cool-down. Same warm-up, hence the same
     peak activations as 1F1B (`p - r` on rank `r`); with `t_F = t_I = t_W` the bubble is a
@@ -220,14 +223,17 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
 
 
 def zbv(p: int, m: int) -> Schedule:
-    """ZB-V (Qi et al. 2023, section 6): two chunks per rank in a V, stage `s` on rank `s` for
+    """ZB-V (Qi et al. 2023, arXiv 2401.10241): two chunks per rank in a V, stage `s` on rank `s` for
     `s < p` and on rank `2p - 1 - s` after, so rank 0 holds the first and the last stage.
     Backwards are split into I and W. Every rank holds at most `2p` chunk activations, that is
     `p` stages' worth: 1F1B's peak on rank 0, on every rank. See `_zbv_row` for the order.
 
     Example:
-        >>> zbv(2, 3).placement
+        >>> s = zbv(2, 3)
+        >>> s.placement
         (0, 1, 1, 0)
+        >>> print(*s.actions[1])
+        F0@s1 F0@s2 F1@s1 F1@s2 I0@s2 W0@s2 F2@s1 I0@s1 W0@s1 F2@s2 I1@s2 W1@s2 I1@s1 I2@s2 I2@s1 W1@s1 W2@s2 W2@s1
     """
     _check_counts("zbv", p=p, m=m)
     placement = tuple(min(s, 2 * p - 1 - s) for s in range(2 * p))
@@ -351,12 +357,12 @@ def _check_rounds(name: str, p: int, m: int) -> None:
         lo, hi = m - m % p, m + p - m % p
         raise ValueError(
             f"{name}: m={m} microbatches is not a multiple of p={p} ranks; interleaving sends microbatches "
-            f"through each rank's chunks in groups of p (as Megatron does). Use m={lo or hi} or m={hi}"
+            f"through each rank's chunks in groups of p (as Megatron does). Use m={hi}" + (f" or m={lo}" if lo else "")
         )
 
 
 def _zbv_row(p: int, m: int, r: int) -> tuple:
-    """Rank r's ZB-V order, the schedule drawn in Qi et al. 2023 (section 6).
+    """Rank r's ZB-V order, the schedule drawn in Qi et al. 2023.
 
     `a` is the rank's down stage `r`, `b` its up stage `2p - 1 - r`. Phases, each a pattern run
     some number of times (a pattern entry is skipped once that kind has covered every microbatch):

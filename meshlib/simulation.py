@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .schedules import Action, Schedule, _check_counts, _check_rounds, _resolve
 
-__all__ = ["Simulation", "bubble_formula", "gantt", "simulate", "validate"]
+__all__ = ["Simulation", "bubble_formula", "gantt", "simulate", "validate_schedule"]
 
 _COLOURS = {"F": "#80b1d3", "B": "#fb8072", "I": "#fdb462", "W": "#b3de69"}
 _KIND_LABELS = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
@@ -87,7 +87,7 @@ def simulate(
     return Simulation(schedule, timelines, makespan, bubble, peaks, t_f, t_b, t_w, t_comm)
 
 
-def validate(schedule: Schedule, /) -> None:
+def validate_schedule(schedule: Schedule, /) -> None:
     """Raise ValueError unless `schedule` is complete, well placed and runs without deadlock:
     every (stage, microbatch) has one F and either one B or one I and one W, each on the rank
     that holds the stage; and the ranks, each running its list in order, can finish them all.
@@ -97,8 +97,8 @@ def validate(schedule: Schedule, /) -> None:
         >>> F = {(s, i): Action("F", s, i) for s in (0, 1) for i in (0, 1)}
         >>> B = {(s, i): Action("B", s, i) for s in (0, 1) for i in (0, 1)}
         >>> rank1 = [F[1, 0], F[1, 1], B[1, 0], B[1, 1]]
-        >>> validate(Schedule("mine", 2, 2, 1, (0, 1), [[F[0, 0], F[0, 1], B[0, 0], B[0, 1]], rank1]))
-        >>> validate(Schedule("mine", 2, 2, 1, (0, 1), [[F[0, 0], B[0, 0], F[0, 1], B[0, 1]], rank1]))
+        >>> validate_schedule(Schedule("mine", 2, 2, 1, (0, 1), [[F[0, 0], F[0, 1], B[0, 0], B[0, 1]], rank1]))
+        >>> validate_schedule(Schedule("mine", 2, 2, 1, (0, 1), [[F[0, 0], B[0, 0], F[0, 1], B[0, 1]], rank1]))
         Traceback (most recent call last):
         ValueError: schedule 'mine' deadlocks, no rank can move on:
           B0@s0 (next on rank 0) needs B0@s1, queued behind F1@s1 on rank 1
@@ -160,12 +160,11 @@ def _nonnegative(name: str, value: float) -> float:
 
 
 def _durations(schedule: Schedule, t_f: float, t_b: float, t_w: float | None) -> dict[str, float]:
-    t_f, t_b = _nonnegative("t_f", t_f), _nonnegative("t_b", t_b)
-    if t_w is None:
-        t_w = t_b / 2
-    elif not 0 <= _nonnegative("t_w", t_w) <= t_b:
+    f, b = _nonnegative("t_f", t_f), _nonnegative("t_b", t_b)
+    w = b / 2 if t_w is None else _nonnegative("t_w", t_w)
+    if w > b:
         raise ValueError(f"simulate: t_w={t_w!r} must lie in [0, t_b={t_b!r}]; I takes t_b - t_w")
-    return {"F": t_f, "B": t_b, "I": t_b - t_w, "W": float(t_w)}
+    return {"F": f, "B": b, "I": b - w, "W": w}
 
 
 def _check_actions(schedule: Schedule) -> None:
@@ -267,8 +266,11 @@ def _deadlock_message(schedule: Schedule, heads: list[int], done: dict) -> str:
         a = row[heads[r]]
         owner, wait = where[next(n for n in _needs(a, last) if n not in done)]
         blocker = schedule.actions[owner][heads[owner]]
-        behind = "it" if blocker == a else blocker
-        lines.append(f"{a} (next on rank {r}) needs {wait}, queued behind {behind} on rank {owner}")
+        if blocker == wait:
+            lines.append(f"{a} (next on rank {r}) needs {wait}, which is stuck too (next on rank {owner})")
+        else:
+            behind = "it" if blocker == a else blocker
+            lines.append(f"{a} (next on rank {r}) needs {wait}, queued behind {behind} on rank {owner}")
     return "\n  ".join([f"schedule {schedule.name!r} deadlocks, no rank can move on:", *lines]) + (
         "\nReorder the lists so that each action comes after the actions it needs."
     )
