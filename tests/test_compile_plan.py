@@ -109,3 +109,10 @@ def test_bad_input_errors_name_what_to_fix():
     odd = torch.zeros(3, T, dtype=torch.long, device="meta")
     with pytest.raises(ValueError, match=r"input 'tokens': dim 0 of shape \(3, 16\) has size 3, which spec P\('dp'\) splits 2 ways"):
         compile_model(model, mesh=Mesh(dp=2), rules=default_rules("llama-tiny", Mesh(dp=2)), example_inputs=(odd, odd))
+
+
+def test_less_common_ops_stay_sharded_on_heads():
+    """chunk/permute/einsum/softmax/bmm/matmul/cat on heads need no gather: Megatron's all-reduces only."""
+    plan = _compile("ops-tiny", Mesh(tp=4)).plan
+    assert {(c.phase, c.kind) for c in plan.collectives} == {("forward", "all_reduce"), ("backward", "all_reduce")}
+    assert _count(plan, "forward", "all_reduce", "tp", B * T * 32 * 4) == 2  # embedding, proj

@@ -46,6 +46,12 @@ def test_parity_fp64(model, mesh, sp):
     assert diffs["loss"] < 1e-12
 
 
+@pytest.mark.parametrize("mesh, sp", [("tp=2", False), ("dp=2,tp=2", True)])
+def test_parity_einsum_bmm_chunk_cat_permute(mesh, sp):
+    """A model built from chunk, permute, einsum, softmax, bmm, matmul and cat on head-sharded values."""
+    _check(RunConfig(model="ops-tiny", mesh=mesh, sequence_parallel=sp))
+
+
 def test_parity_fp32_gqa_and_axis_order():
     """fp32 at rtol 1e-5; grouped-query attention; a mesh whose axes run tp-major.
 

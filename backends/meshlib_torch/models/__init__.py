@@ -10,11 +10,13 @@ import torch
 
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
+from .ops import OpsConfig, OpsModel
 
 CONFIGS = {
     "gpt-tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=32),
     "gpt-small": GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=128),
     "gpt2": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "ops-tiny": OpsConfig(),
     "llama-tiny": LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_seq_len=64),
     "llama-tiny-gqa": LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64),
     "llama-small": LlamaConfig(vocab_size=256, dim=256, n_layers=4, n_heads=8, hidden_dim=688, max_seq_len=256),
@@ -27,7 +29,7 @@ CONFIGS = {
 
 
 def model_class(cfg) -> type[torch.nn.Module]:
-    return GPT if isinstance(cfg, GPTConfig) else Llama
+    return {GPTConfig: GPT, LlamaConfig: Llama, OpsConfig: OpsModel}[type(cfg)]
 
 
 def config(name: str, **overrides):
@@ -50,7 +52,9 @@ def build(name_or_cfg, *, device: str | torch.device = "meta", dtype: torch.dtyp
     return model.to(dtype)
 
 
-__all__ = ["CONFIGS", "GPT", "GPTConfig", "Llama", "LlamaConfig", "build", "config", "model_class"]
+__all__ = [
+    "CONFIGS", "GPT", "GPTConfig", "Llama", "LlamaConfig", "OpsConfig", "OpsModel", "build", "config", "model_class",
+]  # fmt: skip
 
 
 def default_rules(name_or_cfg, mesh):
@@ -66,7 +70,15 @@ def default_rules(name_or_cfg, mesh):
     cfg = config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
     tp = "tp" if "tp" in mesh else None
     logical = ml.logical_rules({"vocab": tp, "heads": tp, "mlp": tp, "embed": None, "pos": None})
-    if isinstance(cfg, GPTConfig):
+    if isinstance(cfg, OpsConfig):
+        table = {
+            "emb.weight": "vocab embed",
+            "qkv.weight": "heads embed",
+            "qkv.bias": "heads",
+            "proj.weight": "embed heads",
+            "head.weight": "vocab embed",
+        }
+    elif isinstance(cfg, GPTConfig):
         table = {
             "wte.weight": "vocab embed",
             "wpe.weight": "pos embed",

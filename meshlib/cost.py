@@ -1,0 +1,86 @@
+"""Closed-form costs: model-state memory per rank under ZeRO, and communication volumes.
+
+These are the analytical limits the benchmarks and tests compare against
+(DESIGN.md). Ψ is the parameter count, N the data-parallel degree.
+
+- Mixed-precision Adam keeps 16Ψ bytes of model state: 2Ψ of bf16/fp16
+  parameters, 2Ψ of gradients, and 12Ψ of fp32 optimizer state (a 4-byte master
+  copy and two 4-byte moments). ZeRO-1 shards the optimizer state, ZeRO-2 the
+  gradients too, ZeRO-3 the parameters too: per rank 16Ψ, 4Ψ + 12Ψ/N,
+  2Ψ + 14Ψ/N and 16Ψ/N. In fp32 there is no master copy: 4Ψ + 4Ψ + 8Ψ.
+- Data parallelism all-reduces the gradients: 2Ψ(N-1)/N bytes-equivalent per
+  rank in a ring. ZeRO-1 and -2 reduce-scatter them and all-gather the
+  parameters, the same volume; ZeRO-3 gathers the parameters twice (forward
+  and backward): 3Ψ(N-1)/N, 1.5x.
+- Megatron tensor parallelism all-reduces b*s*h twice forward and twice
+  backward per layer; sequence parallelism swaps each for an all-gather and a
+  reduce-scatter of the same bus volume.
+
+Example:
+    >>> zero_memory(1_000, 4, zero=2)
+    ModelState(params=2000.0, grads=500.0, optimizer=3000.0)
+    >>> dp_comm_bytes(1_000, 4, zero=3) / dp_comm_bytes(1_000, 4, zero=0)
+    1.5
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ModelState", "ZERO_ALIASES", "dp_comm_bytes", "tp_comm_bytes", "zero_level", "zero_memory"]
+
+# FSDP's and DeepSpeed's names for the levels
+ZERO_ALIASES = {"no_shard": 0, "shard_grad_op": 2, "full": 3, "full_shard": 3}
+
+
+def zero_level(value: int | str) -> int:
+    """0-3 from an int, a digit, or an alias (`no_shard`, `shard_grad_op`, `full`)."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key.isdigit():
+            value = int(key)
+        elif key in ZERO_ALIASES:
+            return ZERO_ALIASES[key]
+        else:
+            raise ValueError(f"zero={value!r}: use 0, 1, 2, 3 or one of {sorted(ZERO_ALIASES)}")
+    if isinstance(value, bool) or value not in (0, 1, 2, 3):
+        raise ValueError(f"zero={value!r}: use 0, 1, 2, 3 or one of {sorted(ZERO_ALIASES)}")
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelState:
+    """Bytes per rank of parameters, gradients and optimizer state."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def zero_memory(psi: float, n: int, *, zero: int | str, mixed: bool = True) -> ModelState:
+    """Model-state bytes per rank for `psi` parameters over `n` data-parallel ranks."""
+    level = zero_level(zero)
+    if n < 1:
+        raise ValueError(f"data-parallel degree {n} must be at least 1")
+    params, grads, optimizer = (2, 2, 12) if mixed else (4, 4, 8)
+
+    def share(nbytes: int, sharded: bool) -> float:
+        return nbytes * psi / n if sharded else float(nbytes * psi)
+
+    return ModelState(share(params, level >= 3), share(grads, level >= 2), share(optimizer, level >= 1))
+
+
+def dp_comm_bytes(psi_bytes: float, n: int, *, zero: int | str) -> float:
+    """Ring bus bytes per rank per step to synchronize `psi_bytes` of gradients (and gather parameters)."""
+    level = zero_level(zero)
+    volume = 3.0 if level == 3 else 2.0
+    return volume * psi_bytes * (n - 1) / n if n > 1 else 0.0
+
+
+def tp_comm_bytes(b: int, s: int, h: int, layers: int, t: int, *, itemsize: int = 4) -> float:
+    """Megatron's minimum: per layer two all-reduces of b*s*h forward and two backward (bus bytes per rank)."""
+    return 4 * layers * 2 * b * s * h * itemsize * (t - 1) / t if t > 1 else 0.0
