@@ -85,11 +85,48 @@ class Stage:
     sends: tuple[Boundary, ...] = ()
 
 
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "fp16": "float16", "float16": "float16", "fp64": "float64", "float64": "float64"}  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class Precision:
+    """Dtypes of the parameters as computed with, of gradient reductions, and of the outputs.
+
+    Master weights and optimizer state stay fp32 whatever `param` is.
+
+    Example:
+        >>> Precision.parse("bf16")
+        Precision(param='bfloat16', reduce='float32', output='float32')
+        >>> Precision.parse("param=bf16,reduce=bf16")
+        Precision(param='bfloat16', reduce='bfloat16', output='float32')
+    """
+
     param: str = "float32"
     reduce: str = "float32"
     output: str = "float32"
+
+    def __post_init__(self):
+        for field_name in ("param", "reduce", "output"):
+            value = getattr(self, field_name)
+            if value not in _DTYPES.values():
+                raise ValueError(f"Precision {field_name}={value!r}: use one of {sorted(set(_DTYPES))}")
+
+    @classmethod
+    def parse(cls, text: str) -> Precision:
+        """`"bf16"` (bf16 compute, fp32 reductions and outputs) or `"param=bf16,reduce=fp32,output=bf16"`."""
+        text = text.strip().lower()
+        if "=" not in text:
+            if text not in _DTYPES:
+                raise ValueError(f"precision {text!r}: use one of {sorted(set(_DTYPES))} or param=..,reduce=..,output=..")
+            return cls(param=_DTYPES[text])
+        fields = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            if key not in ("param", "reduce", "output") or value not in _DTYPES:
+                raise ValueError(f"precision {text!r}: {part!r} is not param|reduce|output=<{'|'.join(sorted(_DTYPES))}>")
+            fields[key] = _DTYPES[value]
+        return cls(**fields)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,11 +29,11 @@ def _reference(key: tuple, run: RunConfig):
 
 
 def _check(run: RunConfig):
-    ref_key = (run.model, run.steps, run.batch_size, run.seq_len, run.dtype, run.lr, run.seed)
+    ref_key = (run.model, run.steps, run.batch_size, run.seq_len, run.dtype, run.lr, run.seed, run.precision)
     results = get_pool(Mesh.parse(run.mesh).size).run(train_parallel, run)
     for r in results[1:]:
         assert r.losses == results[0].losses  # every rank reports the same loss
-    return compare(_reference(ref_key, run), results[0], run.torch_dtype)
+    return compare(_reference(ref_key, run), results[0], run.tolerance)
 
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])

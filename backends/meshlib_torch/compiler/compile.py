@@ -16,14 +16,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from meshlib import Collective, Memory, Mesh, P, Plan
+from meshlib import Collective, Memory, Mesh, P, Plan, Precision
+from meshlib.cost import zero_level
 
 from . import annotate as _annotate
 from .localize import SpecialSpec, fold_scalars, localize
 from .placements import Layout, Shard
 from .propagate import Axes, NodePlan, propagate
-from .redistribute import CommSpec, collective_records, insert_comms
+from .redistribute import CommSpec, collective_records, insert_comms, partial_grad_params
 from .shapes import local_shape
+from .split import layer_paths, partition
 from .trace import Traced, trace
 
 
@@ -42,6 +44,10 @@ class Compiled:
     plan: Plan
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     plans: dict[fx.Node, NodePlan] = field(default_factory=dict, repr=False)
+    data_axes: tuple[str, ...] = ()
+    options: Options | None = None
+    parts: dict[fx.Node, int] = field(default_factory=dict, repr=False)  # node -> pre/layer/post part
+    synced_params: set[str] = field(default_factory=set)  # gradients the runtime sums over the data axes
 
     def rank_indices(self, name: str, rank: int) -> list:
         """Per dim, the global indices of parameter `name` that `rank` holds."""
@@ -59,9 +65,9 @@ class Compiled:
         return tuple(out)
 
 
-def default_in_spec(mesh: Mesh) -> P:
-    """Inputs are split on their batch dim over the data-parallel axes the mesh has."""
-    data = tuple(a for a in ("dp",) if a in mesh and mesh.axis_size(a) > 1)
+def default_in_spec(mesh: Mesh, replicate_axes: tuple[str, ...] = ()) -> P:
+    """Inputs are split on their batch dim over the data-parallel axes: `dp`, and HSDP's replicate axes."""
+    data = tuple(a for a in mesh.axis_names if (a == "dp" or a in replicate_axes) and mesh.axis_size(a) > 1)
     return P(data) if data else P()
 
 
@@ -89,13 +95,41 @@ def compile_model(
     sequence_parallel: bool = False,
     tp_axis: str = "tp",
     seq_dim: int = 1,
+    zero: int | str = 0,
+    precision: Precision | None = None,
+    recompute: str = "none",
+    replicate_axes: tuple[str, ...] = (),
 ) -> Compiled:
-    """Compile `model` for `mesh`: no processes, no real memory (the model may be on meta)."""
+    """Compile `model` for `mesh`: no processes, no real memory (the model may be on meta).
+
+    The data-parallel axes are those the inputs' batch dim is split over.
+    Gradients are summed over them once per step by the runtime, by `zero`
+    level: 0 all-reduces them, 1 reduce-scatters them into a sharded optimizer,
+    2 and 3 hand the axes to FSDP2 (`replicate_axes` makes that HSDP).
+    """
+    options = Options(zero_level(zero), precision or Precision(), _recompute(recompute), tuple(replicate_axes))
     with _gc_paused():
-        return _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp_axis, seq_dim)
+        return _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp_axis, seq_dim, options)
 
 
-def _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp_axis, seq_dim) -> Compiled:
+@dataclass(frozen=True)
+class Options:
+    zero: int
+    precision: Precision
+    recompute: str
+    replicate_axes: tuple[str, ...]
+
+
+RECOMPUTE = ("none", "block", "selective")
+
+
+def _recompute(value: str) -> str:
+    if value not in RECOMPUTE:
+        raise ValueError(f"recompute={value!r}: choose one of {RECOMPUTE}")
+    return value
+
+
+def _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp_axis, seq_dim, options) -> Compiled:
     traced = trace(model, example_inputs)
     gm = traced.gm
     fold_scalars(gm)
@@ -104,15 +138,84 @@ def _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp
     layouts = {n: _annotate.spec_to_layout(s, mesh) for n, s in specs.items()}
     layouts = {n: _annotate.with_groups(lay, groups[n]) if n in groups else lay for n, lay in layouts.items()}
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    in_layouts = _input_layouts(names, in_specs, mesh, example_inputs)
+    in_layouts = _input_layouts(names, in_specs, mesh, example_inputs, options.replicate_axes)
     axes = _axes(mesh, sequence_parallel, tp_axis, seq_dim, example_inputs)
+    data = data_axes(in_layouts, mesh)
+    bad = [a for a in options.replicate_axes if a not in data]
+    if bad:
+        raise ValueError(f"replicate_axes {bad} are not data-parallel axes of this plan ({data}); HSDP replicates over some of those")
     plans = propagate(gm, axes, params=layouts, inputs=in_layouts)
-    comms = insert_comms(gm, plans, axes)
+    synced = partial_grad_params(plans, axes, data)
+    trainable = {n for n, p in traced.params.items() if p.requires_grad}
+    if options.zero >= 1 and data and synced != trainable:
+        raise ValueError(
+            f"zero={options.zero} needs every parameter's gradient to be a partial sum over {data}, but "
+            f"{sorted(trainable - synced)} compute on activations gathered whole over those axes. "
+            "Fix: use zero=0, or keep those activations split over the batch"
+        )
+    comms = insert_comms(gm, plans, axes, deferred=data)
     specials = localize(gm, plans, axes, set(traced.params))
     gm.graph.lint()
     plan = _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sequence_parallel, layouts)
+    plan = _with_data_parallel(plan, traced, layouts, axes, data, options, synced)
     buffers = {n: b for n, b in gm.named_buffers()}
-    return Compiled(mesh, axes, gm.graph, traced, comms, specials, specs, layouts, in_layouts, names, plan, buffers, plans)
+    compiled = Compiled(mesh, axes, gm.graph, traced, comms, specials, specs, layouts, in_layouts, names, plan, buffers, plans)
+    compiled.data_axes, compiled.options, compiled.synced_params = data, options, synced
+    compiled.parts = partition(gm.graph, layer_paths(model))
+    return compiled
+
+
+def data_axes(in_layouts: dict[str, Layout], mesh: Mesh) -> tuple[str, ...]:
+    """Mesh axes that split the batch dim of every input (in mesh order)."""
+    layouts = list(in_layouts.values())
+    return tuple(
+        a for i, a in enumerate(mesh.axis_names)
+        if layouts and mesh.axis_size(a) > 1 and all(lay[i] == Shard(0) for lay in layouts)
+    )  # fmt: skip
+
+
+def _with_data_parallel(plan: Plan, traced: Traced, layouts, axes: Axes, data: tuple[str, ...], options: Options, synced) -> Plan:
+    """The plan's gradient sync over the data axes, and its zero level, precision and recompute."""
+    records = []
+    sizes = dict(zip(axes.names, axes.sizes))
+    shard = tuple(a for a in data if a not in options.replicate_axes)
+    n_shard = math.prod(sizes[a] for a in shard)
+    param_b, reduce_b = (torch.empty((), dtype=getattr(torch, d)).element_size() for d in (options.precision.param, options.precision.reduce))
+    for name, p in traced.params.items():
+        if name not in synced:
+            continue  # its gradient is already whole (computed on activations gathered over the data axes)
+        numel = math.prod(local_shape(tuple(p.shape), layouts[name], axes.sizes))
+        for kind, phase, nbytes, over, count in dp_sync_steps(options.zero, numel, param_b, reduce_b, shard, options.replicate_axes, n_shard):
+            group = math.prod(sizes[a] for a in over)
+            if group > 1:
+                records.append(Collective(kind, over, nbytes, name, "grad sync", "", f"zero-{options.zero}", phase, count, group, name))
+    notes = dict(plan.notes) | {"data-parallel axes": ",".join(data) or "-"}
+    if options.replicate_axes:
+        notes["hsdp replicate axes"] = ",".join(options.replicate_axes)
+    return plan.replace(
+        collectives=plan.collectives + tuple(records), zero=options.zero, precision=options.precision,
+        recompute=options.recompute, notes=tuple(notes.items()),
+    )  # fmt: skip
+
+
+def dp_sync_steps(zero: int, numel: int, param_b: int, reduce_b: int, shard: tuple, replicate: tuple, n_shard: int):
+    """`(kind, phase, bytes, axes, count)` of one parameter's data-parallel traffic per step.
+
+    0: all-reduce the gradient. 1: reduce-scatter it, all-gather the updated
+    shard. 2: all-gather once in forward (kept through backward), reduce-scatter
+    the gradient. 3: all-gather in forward and again in backward. With HSDP the
+    shard's gradient is also all-reduced over the replicate axes.
+    """
+    if zero == 0:
+        return [("all_reduce", "backward", numel * reduce_b, shard + replicate, 1)] if shard + replicate else []
+    steps = [("reduce_scatter", "backward", numel * reduce_b, shard, 1)]
+    gather = numel * param_b
+    steps += {1: [("all_gather", "optimizer", gather, shard, 1)], 2: [("all_gather", "forward", gather, shard, 1)]}.get(
+        zero, [("all_gather", "forward", gather, shard, 1), ("all_gather", "backward", gather, shard, 1)]
+    )
+    if replicate:
+        steps.append(("all_reduce", "backward", numel * reduce_b // max(1, n_shard), replicate, 1))
+    return steps
 
 
 def _axes(mesh: Mesh, sp: bool, tp_axis: str, seq_dim: int, example_inputs: tuple) -> Axes:
@@ -123,9 +226,9 @@ def _axes(mesh: Mesh, sp: bool, tp_axis: str, seq_dim: int, example_inputs: tupl
     return Axes(mesh.axis_names, mesh.axis_sizes, slice_dims)
 
 
-def _input_layouts(names, in_specs, mesh: Mesh, example_inputs) -> dict[str, Layout]:
+def _input_layouts(names, in_specs, mesh: Mesh, example_inputs, replicate_axes=()) -> dict[str, Layout]:
     if in_specs is None:
-        in_specs = {n: default_in_spec(mesh) for n in names}
+        in_specs = {n: default_in_spec(mesh, replicate_axes) for n in names}
     elif not isinstance(in_specs, dict):
         in_specs = dict(zip(names, in_specs))
     out = {}

@@ -59,20 +59,73 @@ def _is_partial_grad(need: Layout, out, requires_grad: bool, i: int) -> bool:
     return any(o is not None and not isinstance(o[i], Replicate) for o in outs)
 
 
+def batch_dependence(plans: dict[fx.Node, NodePlan], axes: Axes) -> dict[fx.Node, tuple[bool, ...]]:
+    """Per value and axis: does it depend on an input split over that axis (the batch)?"""
+    out: dict[fx.Node, tuple[bool, ...]] = {}
+    none = (False,) * len(axes.names)
+    for node, plan in plans.items():
+        if plan.view.kind == "placeholder":
+            lay = plan.out or ()
+            out[node] = tuple(not isinstance(p, Replicate) for p in lay) if lay else none
+        else:
+            deps = [out.get(x, none) for x in node.all_input_nodes]
+            out[node] = tuple(any(d[i] for d in deps) for i in range(len(axes.names)))
+    return out
+
+
+def partial_grad_params(plans: dict[fx.Node, NodePlan], axes: Axes, deferred: tuple[str, ...]) -> set[str]:
+    """Parameters whose gradient arrives as a partial sum over a deferred axis (the runtime sums them)."""
+    batch = batch_dependence(plans, axes)
+    partial: set[fx.Node] = set()
+    for node, plan in plans.items():
+        for x, need in zip(plan.view.tensors, plan.need):
+            if any(
+                axes.names[i] in deferred and not batch[x][i] and _is_partial_grad(need, plan.out, _requires_grad(x), i)
+                for i in range(len(axes.names))
+            ):
+                partial.add(x)
+    out: set[str] = set()
+    stack = list(partial)
+    seen: set[fx.Node] = set()
+    while stack:  # back through the parameter-only values to the parameters themselves
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op == "get_attr" and x.meta.get("param"):
+            out.add(x.target)
+        stack.extend(x.all_input_nodes)
+    return out
+
+
 def _requires_grad(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return bool(torch.is_tensor(val) and val.requires_grad)
 
 
-def insert_comms(gm: fx.GraphModule, plans: dict[fx.Node, NodePlan], axes: Axes) -> list[CommSpec]:
-    """Rewrite `gm` in place with `call_module comm<i>` nodes; return their specs."""
+def insert_comms(
+    gm: fx.GraphModule, plans: dict[fx.Node, NodePlan], axes: Axes, *, deferred: tuple[str, ...] = ()
+) -> list[CommSpec]:
+    """Rewrite `gm` in place with `call_module comm<i>` nodes; return their specs.
+
+    On `deferred` axes (the data-parallel ones) a partial gradient of a value
+    computed from parameters alone is not summed in the graph: it flows on,
+    partial, into the parameters' gradients, which the runtime reduces once
+    per step (all-reduce, or ZeRO's reduce-scatter). A value that depends on
+    the batch keeps its in-graph sum, since its gradient flows back into the
+    batch.
+    """
+    batch = batch_dependence(plans, axes)
     edges: dict[tuple[fx.Node, Layout], list[tuple[fx.Node, tuple[bool, ...]]]] = {}
     for node, plan in plans.items():
         if plan.view.kind == "item":
             continue
         for x, need in zip(plan.view.tensors, plan.need):
             rg = _requires_grad(x)
-            pgrad = tuple(_is_partial_grad(need, plan.out, rg, i) for i in range(len(axes.names)))
+            pgrad = tuple(
+                _is_partial_grad(need, plan.out, rg, i) and not (axes.names[i] in deferred and not batch[x][i])
+                for i in range(len(axes.names))
+            )
             edges.setdefault((x, need), []).append((node, pgrad))
     specs: list[CommSpec] = []
     for (x, need), users in edges.items():

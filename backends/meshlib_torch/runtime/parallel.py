@@ -17,13 +17,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from meshlib import Mesh
+import math
+
+from meshlib import Mesh, Precision
 
 from ..compiler import placements as pl
 from ..compiler.compile import Compiled, compile_model
+from ..compiler.split import layer_paths, split_graph
 from ..compiler.trace import _set_attr
 from . import dist as mdist
 from .comm import COUNTER, Comm, local_slice
+from .fsdp import apply_fsdp, set_sync, unshardable
+from .optim import GradSync, LossScaler, MeshAdamW
+from .recompute import Recompute
 from .materialize import init_local
 from .special import CrossEntropy, VocabEmbedding
 
@@ -44,16 +50,33 @@ def torch_placements(layout: pl.Layout) -> list:
 class Parallel(nn.Module):
     """A compiled model on a DeviceMesh: call it on the global batch."""
 
-    def __init__(self, compiled: Compiled, gm: fx.GraphModule, device_mesh):
+    def __init__(self, compiled: Compiled, gm: nn.Module, device_mesh):
         super().__init__()
         self.compiled, self.gm, self.device_mesh = compiled, gm, device_mesh
-        mesh = compiled.mesh
-        coords = mesh.coords(torch.distributed.get_rank())
-        self._coords = coords
+        self._coords = compiled.mesh.coords(torch.distributed.get_rank())
+        self.fsdp_units: list[nn.Module] = []
+        self.grad_sync: GradSync | None = None
+        self.fp32_init: dict[str, torch.Tensor] = {}  # fp32 values of bf16/fp16 parameters, for the masters
 
     @property
     def plan(self):
         return self.compiled.plan
+
+    @property
+    def zero(self) -> int:
+        return self.compiled.options.zero if self.compiled.options else 0
+
+    def named_model_parameters(self) -> dict[str, nn.Parameter]:
+        """Parameters by their FQN in the original model (whatever wraps them here)."""
+        names = set(self.compiled.traced.params)
+        out = {}
+        for path, p in self.gm.named_parameters():
+            parts = path.split(".")
+            for i in range(len(parts)):
+                if ".".join(parts[i:]) in names:
+                    out[".".join(parts[i:])] = p
+                    break
+        return out
 
     def shard_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of a global input."""
@@ -75,13 +98,58 @@ class Parallel(nn.Module):
                     "Fix: recompile with example inputs of this shape"
                 )
         local = [self.shard_input(n, x) for n, x in zip(names, inputs)]
-        return self.gm(*local)
+        out = self.gm(*local)
+        if isinstance(out, (tuple, list)) and len(out) == 1:  # a split export graph loses its pytree codegen
+            out = out[0]
+        out_dtype = _dtype(self.compiled.plan.precision.output)
+        return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out
 
     def set_gradient_sync(self, enabled: bool) -> None:
-        """Turn the backward all-reduces of partial gradients (dp sync) on or off (accumulation)."""
-        for mod in self.gm.modules():
-            if isinstance(mod, Comm):
-                mod.sync = enabled
+        """Gradient accumulation: sum gradients over the data-parallel axes only when enabled."""
+        if self.grad_sync is not None:
+            self.grad_sync.enabled = enabled
+        if self.fsdp_units:
+            set_sync(self.fsdp_units, enabled)
+
+    def optimizer(self, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> MeshAdamW:
+        """AdamW for this model's zero level and precision (fp32 masters for bf16/fp16 parameters)."""
+        c = self.compiled
+        data = c.data_axes
+        group = mdist.group(self.device_mesh, data) if data else None
+        dp_size = math.prod(c.mesh.axis_size(a) for a in data) if data else 1
+        dp_index = c.mesh.axis_coord(torch.distributed.get_rank(), data) if data else 0
+        params = self.named_model_parameters()
+        opt = MeshAdamW(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, zero=self.zero,
+            master=bool(self.fp32_init), dp_group=group, dp_axis="_".join(data) or "dp", dp_index=dp_index,
+            dp_size=dp_size, layouts=c.param_layouts, mesh_axes=c.axes, fp32_init=self.fp32_init,
+        )  # fmt: skip
+        self.fp32_init = {}  # the optimizer owns the masters now
+        if c.plan.precision.param == "float16":
+            opt.scaler = LossScaler()
+        return opt
+
+    def train_step(self, microbatches: list[tuple], opt: MeshAdamW) -> float:
+        """Forward and backward over `microbatches` (each a global batch of inputs), then one update.
+
+        Gradients are summed over the data-parallel axes only after the last
+        microbatch; each microbatch's loss is scaled by 1/k, so the step equals
+        one over all of them together. Returns the mean loss.
+        """
+        k = len(microbatches)
+        total = 0.0
+        for i, inputs in enumerate(microbatches):
+            self.set_gradient_sync(i == k - 1)
+            loss = self(*inputs) / k
+            total += float(loss.detach())
+            (opt.scaler.scale_loss(loss) if opt.scaler else loss).backward()
+        opt.step()
+        opt.zero_grad()
+        return total
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
 
 
 def parallelize(
@@ -93,27 +161,83 @@ def parallelize(
     example_inputs: tuple,
     init: Callable[[str], tuple[str, float]],
     seed: int = 0,
-    dtype: torch.dtype | None = None,
     sequence_parallel: bool = False,
     in_specs=None,
+    zero: int | str = 0,
+    precision: Precision | None = None,
+    recompute: str = "none",
+    replicate_axes: tuple[str, ...] = (),
+    offload: bool = False,
+    prefetch: bool = True,
     compiled: Compiled | None = None,
 ) -> Parallel:
     """Compile `model` and build it on this rank's devices (call on every rank).
 
     Every check (mesh size against the world, rules, specs, input shapes)
     runs before the first collective, so bad input raises on every rank alike.
+    `zero` shards optimizer state (1), gradients (2) and parameters (3) over the
+    data-parallel axes; `precision` sets the parameter (compute), reduce and
+    output dtypes; `recompute` is "none", "block" or "selective"; `offload`
+    keeps FSDP's shards on the CPU (ZeRO-2/3).
     """
     mdist.init()
     mesh.check_world_size(torch.distributed.get_world_size())
+    if precision is None:  # compute, reduce and output in the model's own dtype
+        own = str(next(model.parameters()).dtype).removeprefix("torch.")
+        precision = Precision(own, own, own)
     compiled = compiled or compile_model(
-        model, mesh=mesh, rules=rules, example_inputs=example_inputs, in_specs=in_specs, sequence_parallel=sequence_parallel
-    )
+        model, mesh=mesh, rules=rules, example_inputs=example_inputs, in_specs=in_specs,
+        sequence_parallel=sequence_parallel, zero=zero, precision=precision, recompute=recompute,
+        replicate_axes=replicate_axes,
+    )  # fmt: skip
+    opts = compiled.options
+    if opts.replicate_axes and opts.zero < 2:
+        raise ValueError("replicate_axes (HSDP) needs zero=2 or 3, where FSDP2 shards over the other data axes")
+    if offload and opts.zero < 2:
+        raise ValueError("offload needs zero=2 or 3 (FSDP2's CPUOffloadPolicy)")
     dm = mdist.device_mesh(mesh)
-    gm = lower(compiled, dm, model, init=init, seed=seed, dtype=dtype)
-    return Parallel(compiled, gm, dm)
+    compute = _dtype(opts.precision.param)
+    gm = lower(compiled, dm, model, init=init, seed=seed, buffer_dtype=compute)
+    par_fp32 = {}
+    if opts.zero < 2 and compute in (torch.bfloat16, torch.float16):
+        par_fp32 = _cast_params(gm, compute)  # bf16/fp16 parameters, fp32 masters in the optimizer
+    layers = len(layer_paths(model))
+    if opts.zero >= 2 or opts.recompute != "none":
+        gm = split_graph(gm, {n.name: k for n, k in compiled.parts.items()}, layers)
+    blocks = [f"layer_{i}" for i in range(layers)]
+    if opts.recompute != "none":
+        for name in blocks:
+            setattr(gm, name, Recompute(getattr(gm, name), opts.recompute))
+    par = Parallel(compiled, gm, dm)
+    par.fp32_init = par_fp32
+    data = compiled.data_axes
+    if opts.zero >= 2:
+        left = {id(p) for p in unshardable(gm)}  # before fully_shard replaces the parameters
+        shard = tuple(a for a in data if a not in opts.replicate_axes)
+        par.fsdp_units = apply_fsdp(
+            gm, [getattr(gm, b) for b in blocks], dm, zero=opts.zero, shard_axes=shard, replicate_axes=opts.replicate_axes,
+            param_dtype=compute, reduce_dtype=_dtype(opts.precision.reduce), output_dtype=None, offload=offload,
+            prefetch=prefetch,
+        )  # fmt: skip
+        whole = {n: p for n, p in par.named_model_parameters().items() if id(p) in left}
+        if whole:
+            par.grad_sync = GradSync(whole, mdist.group(dm, data), "_".join(data), _dtype(opts.precision.reduce))
+    elif opts.zero == 0 and data:
+        synced = {n: p for n, p in par.named_model_parameters().items() if n in compiled.synced_params}
+        par.grad_sync = GradSync(synced, mdist.group(dm, data), "_".join(data), _dtype(opts.precision.reduce))
+    return par
 
 
-def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, dtype=None) -> fx.GraphModule:
+def _cast_params(gm: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Cast the parameters to `dtype` in place; return their fp32 values by path."""
+    out = {}
+    for path, p in gm.named_parameters():
+        out[path] = p.data
+        p.data = p.data.to(dtype)
+    return out
+
+
+def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, buffer_dtype=None) -> fx.GraphModule:
     """The local GraphModule for this rank: parameters, buffers, collectives and special ops."""
     mesh, axes = compiled.mesh, compiled.axes
     device = torch.device(mdist.device_type(), torch.cuda.current_device()) if mdist.device_type() == "cuda" else torch.device("cpu")
@@ -123,11 +247,11 @@ def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, dtype=No
     root = nn.Module()
     for name, p in compiled.traced.params.items():
         layout = compiled.param_layouts[name]
-        pdtype = dtype or p.dtype
-        local = init_local(name, tuple(p.shape), pdtype, layout, axes.sizes, [coords[a] for a in axes.names], init, seed)
+        local = init_local(name, tuple(p.shape), p.dtype, layout, axes.sizes, [coords[a] for a in axes.names], init, seed)
         dt = DTensor.from_local(local.to(device), dm, torch_placements(layout), shape=p.shape, stride=_stride(p.shape))
         _set_attr(root, name, nn.Parameter(dt, requires_grad=p.requires_grad))
     for name, b in _real_buffers(model, compiled).items():
+        b = b.to(buffer_dtype) if buffer_dtype is not None and b.is_floating_point() else b
         _set_attr(root, name, b.to(device))
     for spec in compiled.comms:
         root.add_module(spec.name, Comm(spec, axes, groups, coords))

@@ -14,14 +14,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshlib import Mesh
+from meshlib import Mesh, Precision
+from torch.distributed.tensor import DTensor
 
 from .. import data, models
 from ..runtime.materialize import init_full
+from ..runtime.optim import LossScaler
 from ..runtime.parallel import parallelize
 
 # (rtol, atol): DESIGN.md's contract; fp32's atol is torch.testing's default for fp32.
-TOLERANCE = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+TOLERANCE = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (5e-3, 5e-3),
+}
 
 
 @dataclass
@@ -36,10 +43,25 @@ class RunConfig:
     seed: int = 0
     sequence_parallel: bool = False
     overrides: dict = field(default_factory=dict)
+    zero: int = 0
+    precision: str = ""  # "" computes in `dtype`; else e.g. "bf16" (meshlib.Precision.parse)
+    recompute: str = "none"
+    microbatches: int = 1
+    replicate_axes: tuple = ()
+    offload: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in: the run's dtype unless `precision` lowers it."""
+        return getattr(torch, Precision.parse(self.precision).param) if self.precision else self.torch_dtype
+
+    @property
+    def tolerance(self) -> torch.dtype:
+        return self.compute_dtype if self.compute_dtype in (torch.bfloat16, torch.float16) else self.torch_dtype
 
 
 @dataclass
@@ -61,25 +83,48 @@ def _optimizer(params, lr: float):
 
 
 def train_reference(run: RunConfig) -> RunResult:
+    """The unsharded model in this process: same initial values, data and AdamW.
+
+    With a lower compute precision it keeps fp32 masters (as the parallel
+    run's optimizer does): the bf16/fp16 model runs forward and backward, its
+    gradients update the masters, the masters are rounded back into it.
+    """
     cfg = models.config(run.model, **run.overrides)
-    model = models.build(cfg, device="cpu", dtype=run.torch_dtype)
+    compute = run.compute_dtype
+    model = models.build(cfg, device="cpu", dtype=compute)
     init = _init(cfg)
+    masters = {n: init_full(n, tuple(p.shape), run.torch_dtype, init, run.seed) for n, p in model.named_parameters()}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(init_full(name, tuple(p.shape), run.torch_dtype, init, run.seed))
+            p.copy_(masters[name])
     if hasattr(model, "init_buffers"):
         model.init_buffers()
-    opt = _optimizer(model.parameters(), run.lr)
+    mixed = compute != run.torch_dtype
+    targets = [torch.nn.Parameter(m) for m in masters.values()] if mixed else list(model.parameters())
+    opt = _optimizer(targets, run.lr)
+    scaler = LossScaler() if compute == torch.float16 else None
+    out_dtype = getattr(torch, Precision.parse(run.precision).output) if run.precision else run.torch_dtype
     losses, norms = [], []
     for step in range(run.steps):
-        tokens, targets = data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
-        loss = model(tokens, targets)
-        loss.backward()
-        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        tokens, targets_ = data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
+        loss = model(tokens, targets_).to(out_dtype)  # as the parallel model returns it
+        (scaler.scale_loss(loss) if scaler else loss).backward()
+        scale = scaler.scale if scaler else 1.0
+        grads = [p.grad.to(run.torch_dtype) for p in model.parameters()]
+        norms.append(float(torch.nn.utils.get_total_norm(grads)) / scale)
         losses.append(float(loss.detach()))
-        opt.step()
+        for t, g in zip(targets if mixed else list(model.parameters()), grads):
+            t.grad = g
+        if scaler is None or scaler.unscale_and_check([t.grad for t in (targets if mixed else model.parameters())]):
+            opt.step()
         opt.zero_grad()
-    return RunResult(losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()})
+        model.zero_grad()
+        if mixed:
+            with torch.no_grad():
+                for p, t in zip(model.parameters(), targets):
+                    p.copy_(t)
+    params = dict(zip(masters, targets)) if mixed else dict(model.named_parameters())
+    return RunResult(losses, norms, {n: p.detach().clone().to(run.torch_dtype) for n, p in params.items()})
 
 
 def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
@@ -94,27 +139,72 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
         meta,
         mesh=mesh,
         rules=models.default_rules(cfg, mesh),
-        example_inputs=example,
+        example_inputs=_microbatch(example, 0, run.microbatches),
         init=_init(cfg),
         seed=run.seed,
         sequence_parallel=run.sequence_parallel,
+        zero=run.zero,
+        precision=Precision.parse(run.precision) if run.precision else None,
+        recompute=run.recompute,
+        replicate_axes=run.replicate_axes,
+        offload=run.offload,
     )
-    opt = _optimizer(par.parameters(), run.lr)
+    opt = par.optimizer(lr=run.lr, betas=(0.9, 0.95), weight_decay=0.1)
     losses, norms = [], []
     with _Progress(run.steps, f"{run.model} on {run.mesh}", enabled=progress) as bar:
         for step in range(run.steps):
-            tokens, targets = data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
+            batch = data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
             COUNTER.reset()
-            loss = par(tokens, targets)
-            loss.backward()
+            micro = [_microbatch(batch, i, run.microbatches) for i in range(run.microbatches)]
+            loss = _step(par, opt, micro, norms)
             comm = COUNTER.snapshot()
-            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in par.parameters()]).full_tensor()))
-            losses.append(float(loss.detach()))
-            opt.step()
-            opt.zero_grad()
+            losses.append(loss)
             bar.step(step, losses[-1], norms[-1])
-    params = {_fqn(n): p.full_tensor().detach().clone() for n, p in par.named_parameters()}
+    params = {n: _full(p) for n, p in par.named_model_parameters().items()}
+    if opt.master:  # the fp32 masters are the parameters' true values
+        params.update({n: m.full_tensor().detach().clone() for n, m in opt.master.items() if n in params})
     return RunResult(losses, norms, params, par.plan, comm)
+
+
+def _microbatch(batch: tuple, i: int, k: int) -> tuple:
+    return tuple(x.chunk(k)[i] for x in batch)
+
+
+def _step(par, opt, micro: list, norms: list) -> float:
+    """Parallel.train_step, noting the gradient norm (over the synced gradients) before the update."""
+    k = len(micro)
+    total = 0.0
+    for i, inputs in enumerate(micro):
+        par.set_gradient_sync(i == k - 1)
+        loss = par(*inputs) / k
+        total += float(loss.detach())
+        (opt.scaler.scale_loss(loss) if opt.scaler else loss).backward()
+    norms.append(_grad_norm(par, opt))
+    opt.step()
+    opt.zero_grad()
+    return total
+
+
+def _grad_norm(par, opt) -> float:
+    """Norm of the gradient summed over data-parallel ranks (ZeRO-1 reduces inside step: sum the partials here)."""
+    grads = [p.grad for p in par.named_model_parameters().values() if p.grad is not None]
+    scale = opt.scaler.scale if opt.scaler else 1.0
+    if par.zero == 1 and par.compiled.data_axes:
+        from ..runtime import dist as mdist
+
+        group = mdist.group(par.device_mesh, par.compiled.data_axes)
+        summed = []
+        for g in grads:
+            local = g._local_tensor.to(torch.float64).clone()
+            torch.distributed.all_reduce(local, group=group)
+            summed.append(DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride()))
+        grads = summed
+    norm = torch.nn.utils.get_total_norm([g.to(torch.float64) for g in grads])
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm) / scale
+
+
+def _full(p) -> torch.Tensor:
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
 
 
 def _fqn(name: str) -> str:

@@ -1,0 +1,95 @@
+"""Pass 6, split: cut the local graph into the model's blocks, by module FQN.
+
+The blocks are the children of the model's longest `nn.ModuleList` (a
+transformer's layers). Each node belongs to the block in its
+`nn_module_stack`; nodes the compiler added (collectives, `to_local`, the
+rank-dependent ops) belong to their first consumer's block. Nodes before the
+first block form "pre" (embeddings), nodes after the last form "post" (the
+final norm, the head, the loss). `split_graph` turns that into one submodule
+per part, called in order by a small top-level graph: the unit that FSDP
+shards, recompute wraps and pipelining (issue 5) places on stages.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.split_module import split_module
+
+
+def layer_paths(model: nn.Module) -> list[str]:
+    """FQNs of the children of the model's longest ModuleList (`layers.0`, `layers.1`, ...)."""
+    best: list[str] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > len(best):
+            best = [f"{name}.{i}" if name else str(i) for i in range(len(mod))]
+    return best
+
+
+def _stack_paths(node: fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [v[0] if isinstance(v, tuple) else str(v) for v in stack.values()]
+
+
+def _own_layer(node: fx.Node, index: dict[str, int]) -> int | None:
+    for path in _stack_paths(node):
+        m = re.match(r"^(.*?\.\d+)(\.|$)", path)
+        if m and m.group(1) in index:
+            return index[m.group(1)]
+    return None
+
+
+def partition(graph: fx.Graph, layers: list[str]) -> dict[fx.Node, int]:
+    """Node -> part: 0 is "pre", 1..L the layers, L+1 "post"."""
+    index = {path: i for i, path in enumerate(layers)}
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    has_stack = {n: any(_stack_paths(n)) for n in nodes}
+    own = {n: _own_layer(n, index) for n in nodes if has_stack[n]}
+    layered = [i for i, n in enumerate(nodes) if own.get(n) is not None]
+    first, last = (layered[0], layered[-1]) if layered else (len(nodes), -1)
+    parts: dict[fx.Node, int] = {}
+    current = 0
+    for i, node in enumerate(nodes):
+        if not has_stack[node]:
+            continue
+        if own[node] is not None:
+            current = max(current, own[node] + 1)
+            parts[node] = current
+        else:
+            parts[node] = 0 if i < first else len(layers) + 1 if i > last else current
+    for node in reversed(nodes):  # added nodes (collectives, to_local): where their first consumer runs
+        if node not in parts:
+            users = [parts[u] for u in node.users if u in parts]
+            parts[node] = min(users) if users else len(layers) + 1
+    return parts
+
+
+def split_graph(gm: fx.GraphModule, parts: dict[str, int], n_layers: int) -> fx.GraphModule:
+    """`gm` as submodules `pre`, `layer_<i>`, `post`, called in order by a top-level graph.
+
+    `parts` maps node names to parts (from `partition`, made on the compiled
+    graph; `gm` is a copy of it with the same node names).
+    """
+    names = {0: "pre", n_layers + 1: "post", **{i + 1: f"layer_{i}" for i in range(n_layers)}}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    missing = [n for n in parts if n not in by_name]
+    if missing:
+        raise ValueError(f"split: nodes {missing[:5]} are not in the graph")
+
+    def where(node: fx.Node) -> int:
+        return parts.get(node.name, n_layers + 1)
+
+    top = split_module(gm, gm, where, keep_original_node_name=True)
+    for name, mod in list(top.named_children()):
+        if not re.fullmatch(r"submod_\d+", name):
+            continue
+        k = int(name.removeprefix("submod_"))
+        delattr(top, name)
+        top.add_module(names[k], mod)
+        for node in top.graph.nodes:
+            if node.op == "call_module" and node.target == name:
+                node.target = names[k]
+    top.recompile()
+    return top

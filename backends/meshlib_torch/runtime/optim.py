@@ -1,0 +1,244 @@
+"""The optimizer side of data parallelism: gradient sync, ZeRO-1, master weights, loss scaling.
+
+- `GradSync` (ZeRO-0): an all-reduce of each parameter's gradient over the
+  data-parallel axes, from a post-accumulate hook, so it overlaps the rest of
+  backward; off while accumulating microbatches.
+- `MeshAdamW`: AdamW over fp32 master weights when the parameters are bf16 or
+  fp16; with `zero=1` each data-parallel rank keeps only its shard of the
+  masters and moments: the gradient is reduce-scattered into it and the
+  updated shard all-gathered back into the parameter. Masters are DTensors
+  (the shard is a strided split of the parameter's own layout), so
+  checkpoints reload on any mesh. ZeRO-2/3 leave the masters to FSDP2.
+- `LossScaler`: dynamic loss scaling for fp16, with the overflow check agreed
+  on by every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..compiler import placements as pl
+from .comm import COUNTER, CommCounter, all_gather, reduce_scatter
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class GradSync:
+    """Sum every parameter's gradient over the data-parallel group once its last microbatch is in."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], group, axis_name: str, reduce_dtype: torch.dtype,
+                 counter: CommCounter = COUNTER):  # fmt: skip
+        self.group, self.axis, self.reduce_dtype, self.counter = group, axis_name, reduce_dtype, counter
+        self.enabled = True
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params.values() if p.requires_grad]
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self.enabled or p.grad is None:
+            return
+        g = _local(p.grad)
+        buf = g.to(self.reduce_dtype) if g.dtype != self.reduce_dtype else g
+        dist.all_reduce(buf, group=self.group)
+        self.counter.record("backward", "all_reduce", self.axis, buf.numel() * buf.element_size(), "grad sync")
+        if buf is not g:
+            g.copy_(buf)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _shard_dim(local_shape: tuple[int, ...], n: int, layout) -> int | None:
+    """The dim of a local shard to split over `n` data-parallel ranks: one that divides, and not
+    a dim some axis splits in groups (a fused projection), whose local rows are not contiguous."""
+    grouped = {p.dim for p in layout if isinstance(p, pl.Shard) and p.groups > 1}
+    fits = [d for d, size in enumerate(local_shape) if size % n == 0 and size >= n and d not in grouped]
+    return fits[0] if fits else None
+
+
+class MeshAdamW:
+    """AdamW over the compiled model's parameters, with optional fp32 masters and ZeRO-1 sharding."""
+
+    def __init__(
+        self,
+        params: dict[str, torch.nn.Parameter],
+        *,
+        lr: float,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        zero: int = 0,
+        master: bool = False,
+        dp_group=None,
+        dp_axis: str = "dp",
+        dp_index: int = 0,
+        dp_size: int = 1,
+        layouts: dict | None = None,
+        mesh_axes=None,
+        fp32_init: dict | None = None,
+        counter: CommCounter = COUNTER,
+    ):
+        self.params, self.zero, self.counter = params, zero, counter
+        fp32_init = fp32_init or {}
+        self.dp_group, self.dp_axis, self.dp_index, self.dp_size = dp_group, dp_axis, dp_index, dp_size
+        self.master: dict[str, torch.Tensor] = {}
+        self.shard_dim: dict[str, int | None] = {}
+        for name, p in params.items():
+            start = fp32_init.get(name, p.data)  # the fp32 values a bf16/fp16 parameter was rounded from
+            if zero == 1 and dp_size > 1:
+                self.master[name] = self._sharded_master(name, p, start, layouts[name], mesh_axes, name in fp32_init)
+            elif master and zero < 2:
+                self.master[name] = _fp32_copy(start)
+        targets = [self.master.get(n, p) for n, p in params.items()]
+        self.inner = torch.optim.AdamW(targets, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        self.scaler: LossScaler | None = None
+
+    # -- masters ---------------------------------------------------------------------------------
+    def _sharded_master(self, name: str, p: torch.nn.Parameter, start, layout, mesh_axes, separate: bool) -> torch.Tensor:
+        local = _local(start)
+        d = _shard_dim(tuple(local.shape), self.dp_size, layout)
+        self.shard_dim[name] = d
+        if d is None:  # too small to split: every rank keeps the whole (it is a few bytes)
+            return _fp32_copy(start)
+        piece = local.chunk(self.dp_size, dim=d)[self.dp_index].detach()
+        if separate or piece.dtype != _master_dtype(local):
+            piece = piece.to(_master_dtype(local)).clone()  # a separate fp32 master (bf16/fp16 parameters)
+        # else: a full-precision parameter is its own master: the shard is a view into it
+        placements = _master_layout(layout, mesh_axes, self.dp_axis, d, tuple(local.shape))
+        from .parallel import torch_placements
+
+        global_shape = tuple(p.shape)
+        dt = DTensor.from_local(piece, p.device_mesh, torch_placements(placements), shape=global_shape, stride=p.stride())
+        return torch.nn.Parameter(dt)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+        for m in self.master.values():
+            m.grad = None
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One update; False when fp16 loss scaling found an overflow and skipped it."""
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            m = self.master.get(name)
+            if m is None:
+                continue
+            if self.zero == 1 and self.shard_dim.get(name) is not None:
+                m.grad = _as_like(m, self._reduce_scatter(name, p))
+            else:
+                m.grad = _as_like(m, _local(p.grad).to(m.dtype))
+        grads = [t.grad for t in self.inner.param_groups[0]["params"] if t.grad is not None]
+        if self.scaler is not None and not self.scaler.unscale_and_check(grads):
+            return False
+        self.inner.step()
+        for name, p in self.params.items():
+            m = self.master.get(name)
+            if m is None:
+                continue
+            if self.zero == 1 and self.shard_dim.get(name) is not None:
+                self._all_gather_into(name, m, p)
+            else:
+                _local(p.data).copy_(_local(m.data))
+        return True
+
+    def _reduce_scatter(self, name: str, p) -> torch.Tensor:
+        g = _local(p.grad).to(self.master[name].dtype)
+        d = self.shard_dim[name]
+        out = reduce_scatter(g, pl.Shard(d), self.dp_group, self.dp_size)
+        self.counter.record("backward", "reduce_scatter", self.dp_axis, g.numel() * g.element_size(), "zero-1")
+        return out
+
+    def _all_gather_into(self, name: str, m, p) -> None:
+        d = self.shard_dim[name]
+        piece = _local(m.data).to(p.dtype)
+        full = all_gather(piece, pl.Shard(d), self.dp_group, self.dp_size)
+        self.counter.record("optimizer", "all_gather", self.dp_axis, full.numel() * full.element_size(), "zero-1")
+        _local(p.data).copy_(full)
+
+    # -- state ------------------------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: moments, plus masters where they are separate copies."""
+        own = {_local(p.data).untyped_storage().data_ptr() for p in self.params.values()}
+        total = sum(
+            _local(m.data).numel() * _local(m.data).element_size()
+            for m in self.master.values()
+            if _local(m.data).untyped_storage().data_ptr() not in own
+        )
+        for state in self.inner.state.values():
+            for v in state.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    total += _local(v).numel() * _local(v).element_size()
+        return total
+
+
+def _as_like(master: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
+    if isinstance(master, DTensor):
+        return DTensor.from_local(local_grad, master.device_mesh, master.placements, shape=master.shape, stride=master.stride())
+    return local_grad
+
+
+def _master_dtype(t: torch.Tensor) -> torch.dtype:
+    """Masters keep a full-precision parameter's own dtype (fp64 stays fp64), else fp32."""
+    return t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _fp32_copy(p: torch.Tensor) -> torch.nn.Parameter:
+    if isinstance(p.data, DTensor):
+        d = p.data
+        local = d._local_tensor.detach().to(_master_dtype(d._local_tensor)).clone()
+        return torch.nn.Parameter(DTensor.from_local(local, d.device_mesh, d.placements, shape=d.shape, stride=d.stride()))
+    return torch.nn.Parameter(p.detach().to(_master_dtype(p)).clone())
+
+
+def _master_layout(layout, mesh_axes, dp_axis: str, local_dim: int, local_shape) -> tuple:
+    """The parameter's layout with the data-parallel axis splitting `local_dim` of the local shard.
+
+    If other axes already split that dim, the data-parallel split is within
+    their blocks: a strided shard whose groups are those blocks.
+    """
+    names = list(mesh_axes.names)
+    i = names.index(dp_axis)
+    groups = math.prod(n for j, (p, n) in enumerate(zip(layout, mesh_axes.sizes)) if j > i and isinstance(p, pl.Shard) and p.dim == local_dim)
+    out = list(layout)
+    out[i] = pl.Shard(local_dim, groups)
+    return tuple(out)
+
+
+class LossScaler:
+    """Dynamic loss scaling (fp16): scale the loss, unscale the grads, skip a step on overflow."""
+
+    def __init__(self, init_scale: float = 2.0**12, growth_interval: int = 2000, counter: CommCounter = COUNTER):
+        # 2**12, not torch GradScaler's 2**16: here the parameters themselves are fp16, so the scaled
+        # gradient entering the model must stay under fp16's 65504 from the first step
+        self.scale, self.growth_interval, self.good_steps, self.counter = init_scale, growth_interval, 0, counter
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        found = torch.zeros(1)
+        for g in grads:
+            local = _local(g)
+            local.mul_(1.0 / self.scale)
+            if not torch.isfinite(local).all():
+                found.fill_(1.0)
+        if dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank skips together
+            self.counter.record("optimizer", "all_reduce", "world", 4, "loss scaler")
+        if found.item():
+            self.scale /= 2.0
+            self.good_steps = 0
+            return False
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2.0
+        return True
