@@ -5,6 +5,7 @@ torch backend, `meshlib_torch`, compiles and runs what the core declares.
 """
 
 from ._backend import backend
+from .cost import ModelState, dp_comm_bytes, fsdp2_memory, tp_comm_bytes, zero_level, zero_memory
 from .mesh import CANONICAL_AXES, Mesh
 from .plan import Boundary, Collective, Memory, Plan, Precision, Stage
 from .rules import LogicalRules, PatternRules, Rule, compose, dims, logical_rules, pattern_rules
@@ -39,17 +40,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ACTION_KINDS",
-    "CANONICAL_AXES",
-    "SCHEDULE_NAMES",
-    "UNCONSTRAINED",
-    "UNEVEN_POLICIES",
     "Action",
     "Boundary",
+    "CANONICAL_AXES",
     "Collective",
     "Layout",
     "LogicalRules",
     "Memory",
     "Mesh",
+    "ModelState",
     "NamedSharding",
     "P",
     "PartitionSpec",
@@ -57,17 +56,22 @@ __all__ = [
     "Plan",
     "Precision",
     "Rule",
+    "SCHEDULE_NAMES",
     "Schedule",
     "ShapeDtype",
     "Simulation",
     "Stage",
+    "UNCONSTRAINED",
+    "UNEVEN_POLICIES",
     "apply_rules",
     "backend",
     "bubble_formula",
     "compose",
     "dims",
+    "dp_comm_bytes",
     "flatten_dotted",
     "flatten_with_paths",
+    "fsdp2_memory",
     "gantt",
     "gpipe",
     "interleaved_1f1b",
@@ -77,9 +81,12 @@ __all__ = [
     "pattern_rules",
     "schedule",
     "simulate",
+    "tp_comm_bytes",
     "tree_shardings",
     "unflatten_dotted",
     "validate_schedule",
     "zb_h1",
     "zbv",
+    "zero_level",
+    "zero_memory",
 ]

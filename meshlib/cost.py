@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ModelState", "ZERO_ALIASES", "dp_comm_bytes", "tp_comm_bytes", "zero_level", "zero_memory"]
+__all__ = ["ModelState", "ZERO_ALIASES", "dp_comm_bytes", "fsdp2_memory", "tp_comm_bytes", "zero_level", "zero_memory"]
 
 # FSDP's and DeepSpeed's names for the levels
 ZERO_ALIASES = {"no_shard": 0, "shard_grad_op": 2, "full": 3, "full_shard": 3}
@@ -61,12 +61,13 @@ class ModelState:
         return self.params + self.grads + self.optimizer
 
 
-def zero_memory(psi: float, n: int, *, zero: int | str, mixed: bool = True) -> ModelState:
-    """Model-state bytes per rank for `psi` parameters over `n` data-parallel ranks."""
+def zero_memory(psi: float, n: int, *, zero: int | str, mixed: bool = True, itemsize: int = 4) -> ModelState:
+    """Model-state bytes per rank for `psi` parameters over `n` data-parallel ranks (DESIGN.md's
+    formulas; `itemsize` is the full-precision dtype's, 4 for fp32 and 8 for fp64)."""
     level = zero_level(zero)
     if n < 1:
         raise ValueError(f"data-parallel degree {n} must be at least 1")
-    params, grads, optimizer = (2, 2, 12) if mixed else (4, 4, 8)
+    params, grads, optimizer = (2, 2, 3 * itemsize) if mixed else (itemsize, itemsize, 2 * itemsize)
 
     def share(nbytes: int, sharded: bool) -> float:
         return nbytes * psi / n if sharded else float(nbytes * psi)
@@ -84,3 +85,17 @@ def dp_comm_bytes(psi_bytes: float, n: int, *, zero: int | str) -> float:
 def tp_comm_bytes(b: int, s: int, h: int, layers: int, t: int, *, itemsize: int = 4) -> float:
     """Megatron's minimum: per layer two all-reduces of b*s*h forward and two backward (bus bytes per rank)."""
     return 4 * layers * 2 * b * s * h * itemsize * (t - 1) / t if t > 1 else 0.0
+
+
+def fsdp2_memory(psi: float, n: int, *, itemsize: int = 4) -> ModelState:
+    """Model state per rank at rest under FSDP2 (ZeRO-2 and -3 alike, mixed precision or not).
+
+    FSDP2 keeps each parameter's shard in full precision (it is the master),
+    its gradient's shard in full precision, and AdamW's two moments: 4Ψ/N each
+    for fp32. The bf16 copies it computes with exist only during the step:
+    one block at a time under ZeRO-3, all of them from forward to backward
+    under ZeRO-2 (reshard_after_forward=False). So at rest the total is
+    DESIGN.md's ZeRO-3 figure, 16Ψ/N, for both levels; DeepSpeed's ZeRO-2
+    figure (2Ψ + 14Ψ/N) counts the bf16 copies as always resident.
+    """
+    return ModelState(itemsize * psi / n, itemsize * psi / n, 2 * itemsize * psi / n)

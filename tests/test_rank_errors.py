@@ -14,7 +14,6 @@ import torch
 from meshlib_torch import COUNTER, parallelize
 from meshlib_torch.models import build, default_rules
 from meshlib_torch.runtime import dist as mdist
-from meshlib_torch.testing.parity import RunConfig, train_parallel
 from meshlib_torch.testing.pool import RankError, get_pool
 
 from meshlib import Mesh, P, pattern_rules
@@ -62,26 +61,21 @@ def test_bad_input_raises_on_every_rank_before_any_collective(flaw, message):
     assert len({text for text, _, _ in results}) == 1
 
 
-def _die_mid_step(run: RunConfig):
-    import meshlib_torch.testing.parity as parity
-
-    original = parity._optimizer
-
-    def dying(params, lr):
-        if torch.distributed.get_rank() == 1:
-            os._exit(7)  # before the first backward finishes its collectives elsewhere
-        return original(params, lr)
-
-    parity._optimizer = dying
-    try:
-        return train_parallel(run)
-    finally:
-        parity._optimizer = original
+def _die_mid_step():
+    """Rank 1 exits after its forward; the others are then inside backward collectives."""
+    mesh = Mesh(dp=2, tp=2)
+    x = torch.zeros(4, 16, dtype=torch.long)
+    par = parallelize(build("gpt-tiny"), mesh=mesh, rules=default_rules("gpt-tiny", mesh), example_inputs=(x, x), init=lambda n: ("normal", 0.02))
+    loss = par(x, x)
+    if torch.distributed.get_rank() == 1:
+        os._exit(7)
+    loss.backward()
+    return float(loss)
 
 
 def test_a_dead_rank_ends_the_run_quickly():
     start = time.monotonic()
     with pytest.raises(RankError, match="rank 1 died"):
-        get_pool(4).run(_die_mid_step, RunConfig(model="gpt-tiny", mesh="dp=2,tp=2"))
+        get_pool(4).run(_die_mid_step)
     assert time.monotonic() - start < 30  # gloo notices the closed socket at once; the pool's job timeout is 120 s
     assert get_pool(4).run(torch.distributed.get_world_size) == [4, 4, 4, 4]  # the pool restarts

@@ -134,6 +134,11 @@ class MeshAdamW:
                 continue
             if self.zero == 1 and self.shard_dim.get(name) is not None:
                 m.grad = _as_like(m, self._reduce_scatter(name, p))
+            elif self.zero == 1 and self.dp_size > 1:  # too small to shard: sum it whole
+                g = _local(p.grad).to(m.dtype).contiguous()
+                dist.all_reduce(g, group=self.dp_group)
+                self.counter.record("backward", "all_reduce", self.dp_axis, g.numel() * g.element_size(), "zero-1")
+                m.grad = _as_like(m, g)
             else:
                 m.grad = _as_like(m, _local(p.grad).to(m.dtype))
         grads = [t.grad for t in self.inner.param_groups[0]["params"] if t.grad is not None]

@@ -229,11 +229,21 @@ def parallelize(
 
 
 def _cast_params(gm: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Cast the parameters to `dtype` in place; return their fp32 values by path."""
-    out = {}
+    """Replace the parameters by `dtype` copies; return their fp32 values by path.
+
+    New Parameter objects, not `p.data = ...`: a DTensor's `.data` assignment
+    relabels its dtype but keeps the old local tensor.
+    """
+    out, new = {}, {}
     for path, p in gm.named_parameters():
         out[path] = p.data
-        p.data = p.data.to(dtype)
+    for mod in gm.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(p.data.to(dtype), requires_grad=p.requires_grad)
+            mod._parameters[name] = new[id(p)]
     return out
 
 
