@@ -80,13 +80,17 @@ def test_data_parallel_sync_is_one_all_reduce_per_parameter_shard():
     assert {col.kind for col in dp} == {"all_reduce"}
 
 
-def test_memory_per_rank_is_the_shards():
-    c = _compile("llama-tiny", Mesh(dp=2, tp=2))
-    local = sum(math.prod(c.local_param_shape(n)) * 4 for n in c.traced.params)
-    full = sum(p.numel() * 4 for p in c.traced.params.values())
-    m = c.plan.memory
-    assert m.params == local and m.grads == local and m.optimizer == 2 * local
-    assert local < full and m.activations > 0 and m.peak == 4 * local + m.activations
+def test_memory_per_rank_is_the_shards_and_the_dry_run_peak():
+    mesh = Mesh(dp=2, tp=2)
+    model = build("llama-tiny")
+    x = torch.zeros(B, T, dtype=torch.long)
+    for zero in (0, 1, 3):
+        c = compile_model(model, mesh=mesh, rules=default_rules("llama-tiny", mesh), example_inputs=(x, x), zero=zero, estimate_memory=True)
+        local = sum(math.prod(c.local_param_shape(n)) * 4 for n in c.traced.params)
+        m = c.plan.memory
+        want = {0: (local, local, 2 * local), 1: (local, local, local), 3: (local / 2, local / 2, local)}[zero]
+        assert (m.params, m.grads, m.optimizer) == want
+        assert 0 < m.activations < m.peak and m.peak > m.params + m.optimizer
 
 
 def test_plan_round_trips_and_lists_provenance():

@@ -128,3 +128,55 @@ def test_data_parallel_bytes_zero3_is_one_and_a_half_times_dp():
         assert {k: v for k, v in traffic.items() if k not in loss_terms} == {k: v for k, v in planned.items() if k not in loss_terms}
     assert bus[3] / bus[0] == pytest.approx(1.5)
     assert bus[1] / bus[0] == pytest.approx(1.0) and bus[2] / bus[0] == pytest.approx(1.0)
+
+
+def _peak(run: RunConfig):
+    """Measured peak tensor bytes on each rank over one training step (forward and backward)."""
+    import torch
+
+    from meshlib import Precision
+    from meshlib_torch import data, models, parallelize
+    from meshlib_torch.runtime.memtrack import PeakTracker
+    from meshlib_torch.testing.parity import _init
+
+    cfg = models.config(run.model)
+    mesh = Mesh.parse(run.mesh)
+    batch = data.batch(0, batch_size=run.batch_size, seq_len=run.seq_len)
+    par = parallelize(
+        models.build(cfg, dtype=run.torch_dtype), mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=batch,
+        init=_init(cfg), zero=run.zero, recompute=run.recompute, sequence_parallel=run.sequence_parallel,
+        precision=Precision.parse(run.precision) if run.precision else None,
+    )  # fmt: skip
+    opt = par.optimizer(lr=1e-3)
+    par(*batch).backward()
+    opt.step()
+    opt.zero_grad()
+    state = list(par.parameters()) + list(par.buffers()) + list(opt.master.values())
+    state += [t for s in opt.inner.state.values() for t in s.values() if torch.is_tensor(t)]
+    with PeakTracker() as tracker:
+        tracker.baseline(state)
+        par(*batch).backward()
+    return tracker.peak
+
+
+@pytest.mark.parametrize(
+    "zero, recompute, sp, precision",
+    [(0, "none", False, ""), (1, "none", True, ""), (3, "none", False, ""), (0, "block", False, ""), (3, "selective", True, ""), (2, "none", False, "bf16")],
+)
+def test_peak_estimate_within_5_percent_of_measured(zero, recompute, sp, precision):
+    """The dry run on the meta device against the peak counted on real ranks (dispatch-mode tracker)."""
+    from meshlib_torch import compile_model, data, models
+
+    from meshlib import Precision
+
+    run = RunConfig(model="llama-tiny", mesh="dp=2,tp=2", zero=zero, recompute=recompute, sequence_parallel=sp,
+                    dtype="float32", precision=precision, batch_size=8, seq_len=64)  # fmt: skip
+    measured = max(get_pool(4).run(_peak, run))
+    cfg, mesh = models.config(run.model), Mesh.parse(run.mesh)
+    batch = data.batch(0, batch_size=run.batch_size, seq_len=run.seq_len)
+    compiled = compile_model(
+        models.build(cfg), mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=batch, zero=zero,
+        recompute=recompute, sequence_parallel=sp, precision=Precision.parse(precision) if precision else None,
+        estimate_memory=True,
+    )  # fmt: skip
+    assert compiled.plan.memory.peak == pytest.approx(measured, rel=0.05)

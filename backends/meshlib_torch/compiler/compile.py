@@ -9,6 +9,7 @@ graph (run later by the runtime, on a real DeviceMesh) and the core's `Plan`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from meshlib import Collective, Memory, Mesh, P, Plan, Precision
-from meshlib.cost import zero_level
+from meshlib.cost import fsdp2_memory, zero_level, zero_memory
 
 from . import annotate as _annotate
 from .localize import SpecialSpec, fold_scalars, localize
@@ -99,6 +100,7 @@ def compile_model(
     precision: Precision | None = None,
     recompute: str = "none",
     replicate_axes: tuple[str, ...] = (),
+    estimate_memory: bool = False,
 ) -> Compiled:
     """Compile `model` for `mesh`: no processes, no real memory (the model may be on meta).
 
@@ -107,9 +109,20 @@ def compile_model(
     level: 0 all-reduces them, 1 reduce-scatters them into a sharded optimizer,
     2 and 3 hand the axes to FSDP2 (`replicate_axes` makes that HSDP).
     """
-    options = Options(zero_level(zero), precision or Precision(), _recompute(recompute), tuple(replicate_axes))
+    if precision is None:  # compute, reduce and output in the model's own dtype
+        own = str(next(model.parameters()).dtype).removeprefix("torch.")
+        precision = Precision(own, own, own)
+    options = Options(zero_level(zero), precision, _recompute(recompute), tuple(replicate_axes))
     with _gc_paused():
-        return _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp_axis, seq_dim, options)
+        compiled = _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp_axis, seq_dim, options)
+    memory = model_state(compiled)
+    if estimate_memory:
+        from ..runtime.dryrun import dry_peak
+
+        dry = dry_peak(compiled, model, batch=example_inputs)
+        memory = dataclasses.replace(memory, activations=dry["step"], peak=dry["peak"])
+    compiled.plan = compiled.plan.replace(memory=memory)
+    return compiled
 
 
 @dataclass(frozen=True)
@@ -262,26 +275,30 @@ def _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts
     notes["sequence parallel"] = "on" if sp else "off"
     placements = {n: tuple(repr(p) for p in layouts[n]) for n in specs}
     return Plan(
-        mesh, specs=specs, collectives=collectives, notes=notes, memory=_memory(traced, layouts, plans, axes),
+        mesh, specs=specs, collectives=collectives, notes=notes,
         placements=placements,
     )  # fmt: skip
 
 
-_ALIASES = {"view", "transpose", "permute", "expand", "item", "index", "slice", "select", "split", "scalar", "drop"}
+def model_state(compiled: Compiled) -> Memory:
+    """Bytes per rank of parameters, gradients and optimizer state, as the runtime stores them.
 
-
-def _memory(traced: Traced, layouts: dict[str, Layout], plans: dict, axes: Axes) -> Memory:
-    """Bytes per rank: parameters and gradients in their shards, AdamW's two moments,
-    and the activations the forward keeps (every op output that is not a view)."""
-    params = 0
-    for name, p in traced.params.items():
-        params += math.prod(local_shape(tuple(p.shape), layouts[name], axes.sizes)) * p.element_size()
-    acts = 0
-    for node, plan in plans.items():
-        val = node.meta.get("val")
-        if node.op in ("call_function", "call_method") and plan.view.kind not in _ALIASES and torch.is_tensor(val):
-            acts += math.prod(local_shape(tuple(val.shape), plan.out, axes.sizes)) * val.element_size()
-    return Memory(params=params, grads=params, optimizer=2 * params, activations=acts, peak=4 * params + acts)
+    ZeRO-0/1 keep DESIGN.md's layout: parameters and gradients in the compute
+    dtype, fp32 masters (mixed precision) and two moments in the optimizer,
+    sharded over the data axes from ZeRO-1. ZeRO-2/3 are FSDP2's storage:
+    full-precision shards of parameters and gradients, and the moments.
+    """
+    opts = compiled.options
+    full = next(iter(compiled.traced.params.values())).dtype
+    compute = getattr(torch, opts.precision.param)
+    mixed = compute in (torch.bfloat16, torch.float16)
+    psi = sum(math.prod(compiled.local_param_shape(n)) for n in compiled.traced.params)
+    n = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes if a not in opts.replicate_axes) or 1
+    if opts.zero >= 2:
+        state = fsdp2_memory(psi, n, itemsize=full.itemsize)
+    else:
+        state = zero_memory(psi, n, zero=opts.zero, mixed=mixed, itemsize=full.itemsize)
+    return Memory(params=int(state.params), grads=int(state.grads), optimizer=int(state.optimizer))
 
 
 def _special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:

@@ -182,9 +182,6 @@ def parallelize(
     """
     mdist.init()
     mesh.check_world_size(torch.distributed.get_world_size())
-    if precision is None:  # compute, reduce and output in the model's own dtype
-        own = str(next(model.parameters()).dtype).removeprefix("torch.")
-        precision = Precision(own, own, own)
     compiled = compiled or compile_model(
         model, mesh=mesh, rules=rules, example_inputs=example_inputs, in_specs=in_specs,
         sequence_parallel=sequence_parallel, zero=zero, precision=precision, recompute=recompute,

@@ -1,0 +1,195 @@
+"""A dry run of one training step on the meta device: peak memory per rank with no processes.
+
+The compiled local graph runs forward and backward on meta tensors of each
+rank's local shapes. Collectives allocate their outputs (and their
+gradients' outputs) but move nothing; the rank-dependent ops run their local
+math. `PeakTracker` counts live bytes as it would on a real rank, so the
+estimate covers activations, their gradients and the temporaries of every op,
+under tensor and sequence parallelism and recompute. Model state comes from
+the ZeRO level: parameters, optimizer moments and fp32 masters as the runtime
+stores them; under ZeRO-2/3 the blocks' parameters are gathered (and freed)
+around each block as FSDP2 does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..compiler.compile import Compiled
+from ..compiler.placements import natural_grad
+from ..compiler.split import layer_paths, split_graph
+from ..compiler.shapes import local_shape
+from ..compiler.trace import _set_attr
+from .memtrack import PeakTracker
+from .recompute import Recompute
+from .special import DRY, CrossEntropy, VocabEmbedding
+
+
+class _DryCollective(torch.autograd.Function):
+    """Allocates what the real collective allocates (nothing when a direction does not communicate)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.new_empty(comm.dst) if comm.moves_forward else x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.new_empty(ctx.comm.src) if ctx.comm.moves_backward else grad), None
+
+
+class DryComm(nn.Module):
+    def __init__(self, spec, sizes):
+        super().__init__()
+        self.src = local_shape(spec.shape, spec.src, sizes)
+        self.dst = local_shape(spec.shape, spec.dst, sizes)
+        self.moves_forward = spec.src != spec.dst
+        self.moves_backward = spec.requires_grad and tuple(natural_grad(p) for p in spec.src) != spec.grad_dst
+
+    def forward(self, x):
+        return _DryCollective.apply(x, self)
+
+
+def cpu_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """The kernel CPU runs use for attention (flash-for-CPU, which keeps only log-sum-exp for
+    backward); the meta device would otherwise take the math path, which keeps the whole
+    attention matrix."""
+    if attn_mask is not None or enable_gqa:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)[0]
+
+
+_SDPA = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
+
+
+def _dry_graph(graph: fx.Graph) -> fx.Graph:
+    """The compiled graph with parameters read directly (no DTensor) and CPU's attention kernel."""
+    new = fx.Graph()
+    new.output(new.graph_copy(graph, {}))
+    new._codegen = graph._codegen
+    for node in list(new.nodes):
+        if node.op == "call_method" and node.target == "to_local":
+            node.replace_all_uses_with(node.args[0])
+            new.erase_node(node)
+        elif node.op == "call_function" and node.target in _SDPA:
+            node.target = cpu_attention
+    return new
+
+
+def _param_bytes(compiled: Compiled, dtype: torch.dtype) -> dict[str, int]:
+    return {n: math.prod(compiled.local_param_shape(n)) * torch.empty((), dtype=dtype).element_size() for n in compiled.traced.params}
+
+
+def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str, int]:
+    """Estimated bytes per rank: the peak during a step, and its parts (model state, step extra)."""
+    opts = compiled.options
+    axes = compiled.axes
+    compute = getattr(torch, opts.precision.param)
+    full = next(iter(compiled.traced.params.values())).dtype
+    mixed = compute in (torch.bfloat16, torch.float16)
+    n_dp = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes) if compiled.data_axes else 1
+    root = nn.Module()
+    params = {}
+    for name, p in compiled.traced.params.items():
+        t = torch.empty(compiled.local_param_shape(name), dtype=compute if opts.zero < 2 else compute, device="meta")
+        params[name] = nn.Parameter(t, requires_grad=p.requires_grad)
+        _set_attr(root, name, params[name])
+    for name, b in compiled.buffers.items():
+        _set_attr(root, name, torch.empty(tuple(b.shape), dtype=compute if b.is_floating_point() else b.dtype, device="meta"))
+    for spec in compiled.comms:
+        root.add_module(spec.name, DryComm(spec, axes.sizes))
+    for spec in compiled.specials:
+        if spec.kind == "vocab_embedding":
+            root.add_module(spec.name, VocabEmbedding(**spec.args, rank=0))
+        else:
+            groups = {a: DRY for a in axes.names}
+            root.add_module(spec.name, CrossEntropy(**spec.args, groups=groups, ranks={}))
+    gm = fx.GraphModule(root, _dry_graph(compiled.graph))
+    layers = len(layer_paths(model))
+    if opts.recompute != "none" or opts.zero >= 2:
+        gm = split_graph(gm, {n.name: k for n, k in compiled.parts.items()}, layers)
+    if opts.recompute != "none":
+        for i in range(layers):
+            setattr(gm, f"layer_{i}", Recompute(getattr(gm, f"layer_{i}"), opts.recompute))
+    state = _model_state(compiled, params, full, compute, mixed, n_dp)
+    tracker = PeakTracker()
+    with tracker:
+        tracker.baseline(state["tensors"] + [b for b in gm.buffers()])
+        base = tracker.live
+        hooks = _fsdp_hooks(gm, layers, tracker, opts.zero, n_dp, full.itemsize) if opts.zero >= 2 else []
+        local = [_local_input(compiled, name, x) for name, x in zip(compiled.input_names, batch)]
+        loss = gm(*local)
+        loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+        forward = tracker.live
+        loss.backward()
+    for h in hooks:
+        h.remove()
+    return {"peak": tracker.peak, "model_state": base, "step": tracker.peak - base, "after_forward": forward}
+
+
+def _local_input(compiled: Compiled, name: str, x: torch.Tensor) -> torch.Tensor:
+    shape = local_shape(tuple(x.shape), compiled.input_layouts[name], compiled.axes.sizes)
+    return torch.empty(shape, dtype=x.dtype, device="meta")
+
+
+def _model_state(compiled, params, full, compute, mixed, n_dp) -> dict:
+    """The tensors a rank holds between steps, as meta tensors: parameters (sharded under
+    ZeRO-3 and -2's rest), fp32 masters (mixed precision, sharded from ZeRO-1), two moments."""
+    zero = compiled.options.zero
+    out = []
+    for name, p in params.items():
+        numel = p.numel()
+        if zero >= 2:  # FSDP2: a full-precision shard is the parameter (and the master)
+            out.append(torch.empty(math.ceil(numel / n_dp), dtype=full, device="meta"))
+        else:
+            out.append(p)
+            if mixed:
+                out.append(torch.empty(math.ceil(numel / (n_dp if zero == 1 else 1)), dtype=full, device="meta"))
+        moments = math.ceil(numel / n_dp) if zero >= 1 else numel
+        out += [torch.empty(moments, dtype=full, device="meta") for _ in range(2)]
+    return {"tensors": out}
+
+
+def _fsdp_hooks(gm: nn.Module, layers: int, tracker: PeakTracker, zero: int, n_dp: int, full_itemsize: int) -> list:
+    """Charge FSDP2's memory as it would move: a block's gathered parameters while it runs (from
+    its forward to the end of its backward under ZeRO-2), its full gradients until they are
+    reduce-scattered into full-precision shards, and the root's parameters for the whole step."""
+    handles = []
+    blocks = [getattr(gm, f"layer_{i}") for i in range(layers)]
+    block_params = {id(p) for b in blocks for p in b.parameters()}
+    root = [p for p in gm.parameters() if id(p) not in block_params]
+    tracker.account(sum(p.numel() * p.element_size() for p in root))
+    held: dict[int, bool] = {}
+
+    def gather(block):
+        if not held.get(id(block)):
+            held[id(block)] = True
+            tracker.account(sum(p.numel() * p.element_size() for p in block.parameters()))
+
+    def release(block):
+        if held.get(id(block)):
+            held[id(block)] = False
+            tracker.account(-sum(p.numel() * p.element_size() for p in block.parameters()))
+
+    def after_backward(block):
+        shards = 0
+        for p in block.parameters():
+            if p.grad is not None:
+                shards += math.ceil(p.numel() / n_dp) * full_itemsize
+                p.grad = None  # reduce-scattered: the full gradient is freed
+        tracker.account(shards)
+        release(block)
+
+    for block in blocks:
+        handles.append(block.register_forward_pre_hook(lambda m, a: gather(m)))
+        if zero == 3:
+            handles.append(block.register_forward_hook(lambda m, a, o: release(m)))
+        handles.append(block.register_full_backward_pre_hook(lambda m, g: gather(m)))
+        handles.append(block.register_full_backward_hook(lambda m, gi, go: after_backward(m)))
+    return handles
