@@ -237,8 +237,13 @@ class Plan:
             out.append(Table("pipeline stages", ("stage", "pp rank", "modules", "cost", "sends per microbatch"), rows))
         if self.memory is not None:
             m = self.memory
-            rows = [(k, human_bytes(getattr(m, k))) for k in ("params", "grads", "optimizer", "activations", "peak")]
-            out.append(Table("memory per rank", ("what", "bytes"), rows))
+            names = {
+                "params": "parameters", "grads": "gradients", "optimizer": "optimizer state (moments, fp32 masters)",
+                "activations": "step: activations, gradients, temporaries", "peak": "peak (dry run)",
+            }  # fmt: skip
+            rows = [(names[k], human_bytes(getattr(m, k))) for k in names if getattr(m, k) or k in ("params", "grads", "optimizer")]
+            caption = f"ZeRO-{self.zero}, {self.precision.param} compute; model state as stored between steps"
+            out.append(Table("memory per rank", ("what", "bytes"), rows, caption))
         return out
 
     def __str__(self) -> str:

@@ -15,7 +15,8 @@ from collections import defaultdict
 
 import torch
 
-from meshlib import Mesh, Plan
+from meshlib import Mesh, Plan, Precision
+from meshlib.cost import zero_level
 from meshlib._table import Table, human_bytes, show
 
 from . import models
@@ -28,8 +29,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch size")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's, at most 64 for run)")
     p.add_argument("--sp", action="store_true", help="sequence parallel: norm regions sharded on the sequence over tp")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="master (full-precision) dtype")
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    p.add_argument("--zero", default="0", help="0|1|2|3 or no_shard|shard_grad_op|full: what is sharded over dp")
+    p.add_argument("--precision", default="", help="compute dtype: fp32|bf16|fp16, or param=..,reduce=..,output=..")
+    p.add_argument("--recompute", default="none", choices=["none", "block", "selective"], help="activation recompute")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,8 +78,10 @@ def plan_main(args) -> Plan:
     seq = _seq(args)
     example = tuple(torch.empty(args.batch, seq, dtype=torch.long, device="meta") for _ in range(2))
     compiled = compile_model(
-        model, mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=example, sequence_parallel=args.sp
-    )
+        model, mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=example, sequence_parallel=args.sp,
+        zero=zero_level(args.zero), precision=Precision.parse(args.precision) if args.precision else None,
+        recompute=args.recompute, estimate_memory=True,
+    )  # fmt: skip
     plan = compiled.plan.replace(notes=compiled.plan.notes + (("model", args.model), ("batch x seq", f"{args.batch} x {seq}")))
     tables = _plan_tables(plan, grouped=not args.all)
     tables[1] = param_table(compiled, grouped=not args.all)
@@ -140,6 +146,7 @@ def run_main(args) -> None:
     run = RunConfig(
         model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch, seq_len=_seq(args, cap=64),
         dtype=args.dtype, lr=args.lr, seed=args.seed, sequence_parallel=args.sp, overrides=_overrides(args),
+        zero=zero_level(args.zero), precision=args.precision, recompute=args.recompute,
     )  # fmt: skip
     rank0 = int(os.environ["RANK"]) == 0
     result = train_parallel(run, progress=rank0)

@@ -78,6 +78,7 @@ def split_graph(gm: fx.GraphModule, parts: dict[str, int], n_layers: int) -> fx.
         return parts.get(node.name, n_layers + 1)
 
     top = split_module(gm, gm, where, keep_original_node_name=True)
+    _move_parameters_into_parts(top)
     for name, mod in list(top.named_children()):
         if not re.fullmatch(r"submod_\d+", name):
             continue
@@ -89,3 +90,41 @@ def split_graph(gm: fx.GraphModule, parts: dict[str, int], n_layers: int) -> fx.
                 node.target = names[k]
     top.recompile()
     return top
+
+
+def _move_parameters_into_parts(top: fx.GraphModule) -> None:
+    """split_module passes parameters to the parts as arguments and keeps them on the top module.
+    Move each one used by a single part into that part (same dotted name), so that the part owns
+    it: FSDP2 shards per part, and recompute sees it as the part's own."""
+    from .trace import _resolve, _set_attr
+
+    graph = top.graph
+    for node in list(graph.nodes):
+        if node.op != "get_attr" or not isinstance(_resolve(top, node.target), nn.Parameter):
+            continue
+        users = list(node.users)
+        if len(users) != 1 or users[0].op != "call_module" or list(users[0].args).count(node) != 1:
+            continue  # shared (a tied weight): it stays with the top module
+        call = users[0]
+        part = top.get_submodule(call.target)
+        i = list(call.args).index(node)
+        holder = [n for n in part.graph.nodes if n.op == "placeholder"][i]
+        _set_attr(part, node.target, _resolve(top, node.target))
+        with part.graph.inserting_before(holder):
+            attr = part.graph.get_attr(node.target)
+        attr.meta = dict(holder.meta)
+        holder.replace_all_uses_with(attr)
+        part.graph.erase_node(holder)
+        part.recompile()
+        call.args = tuple(a for j, a in enumerate(call.args) if j != i)
+        graph.erase_node(node)
+        _del_attr(top, node.target)
+    graph.lint()
+
+
+def _del_attr(root: nn.Module, target: str) -> None:
+    *parents, last = target.split(".")
+    mod = root
+    for part in parents:
+        mod = getattr(mod, part)
+    delattr(mod, last)

@@ -122,7 +122,10 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
     with tracker:
         tracker.baseline(state["tensors"] + [b for b in gm.buffers()])
         base = tracker.live
-        hooks = _fsdp_hooks(gm, layers, tracker, opts.zero, n_dp, full.itemsize) if opts.zero >= 2 else []
+        hooks = []
+        if opts.zero >= 2:  # the gathered copies: charged by the hooks while FSDP would hold them
+            tracker.ignore(params.values())
+            hooks = _fsdp_hooks(gm, layers, tracker, opts.zero, n_dp, full.itemsize)
         local = [_local_input(compiled, name, x) for name, x in zip(compiled.input_names, batch)]
         loss = gm(*local)
         loss = loss[0] if isinstance(loss, (tuple, list)) else loss
@@ -157,39 +160,54 @@ def _model_state(compiled, params, full, compute, mixed, n_dp) -> dict:
 
 
 def _fsdp_hooks(gm: nn.Module, layers: int, tracker: PeakTracker, zero: int, n_dp: int, full_itemsize: int) -> list:
-    """Charge FSDP2's memory as it would move: a block's gathered parameters while it runs (from
-    its forward to the end of its backward under ZeRO-2), its full gradients until they are
-    reduce-scattered into full-precision shards, and the root's parameters for the whole step."""
+    """Charge FSDP2's memory as it moves.
+
+    A gather allocates the all-gather's flat output, copies it out into the
+    parameters and frees it; a block's forward also gathers the next block
+    (forward prefetch), its backward the previous one. ZeRO-3 frees a block
+    after its forward and after its backward, ZeRO-2 only after its backward.
+    After a block's backward its gradients are copied into a flat buffer,
+    reduce-scattered into a full-precision shard and freed. The root's
+    parameters stay gathered for the whole step.
+    """
     handles = []
     blocks = [getattr(gm, f"layer_{i}") for i in range(layers)]
     block_params = {id(p) for b in blocks for p in b.parameters()}
-    root = [p for p in gm.parameters() if id(p) not in block_params]
-    tracker.account(sum(p.numel() * p.element_size() for p in root))
-    held: dict[int, bool] = {}
+    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    root = size(p for p in gm.parameters() if id(p) not in block_params)
+    tracker.account(2 * root)
+    tracker.account(-root)
+    held = [False] * layers
 
-    def gather(block):
-        if not held.get(id(block)):
-            held[id(block)] = True
-            tracker.account(sum(p.numel() * p.element_size() for p in block.parameters()))
+    def gather(i: int) -> None:
+        if 0 <= i < layers and not held[i]:
+            held[i] = True
+            b = size(blocks[i].parameters())
+            tracker.account(2 * b)  # the flat all-gather output and the copies out of it
+            tracker.account(-b)
 
-    def release(block):
-        if held.get(id(block)):
-            held[id(block)] = False
-            tracker.account(-sum(p.numel() * p.element_size() for p in block.parameters()))
+    def release(i: int) -> None:
+        if held[i]:
+            held[i] = False
+            tracker.account(-size(blocks[i].parameters()))
 
-    def after_backward(block):
-        shards = 0
-        for p in block.parameters():
-            if p.grad is not None:
-                shards += math.ceil(p.numel() / n_dp) * full_itemsize
-                p.grad = None  # reduce-scattered: the full gradient is freed
-        tracker.account(shards)
-        release(block)
+    def after_backward(i: int) -> None:
+        grads = [p for p in blocks[i].parameters() if p.grad is not None]
+        flat = sum(p.numel() for p in grads) * full_itemsize
+        tracker.account(flat)  # the reduce-scatter's flat input
+        for p in grads:
+            p.grad = None
+        tracker.account(math.ceil(flat / n_dp) - flat)  # its output shard stays; the input is freed
+        release(i)
 
-    for block in blocks:
-        handles.append(block.register_forward_pre_hook(lambda m, a: gather(m)))
-        if zero == 3:
-            handles.append(block.register_forward_hook(lambda m, a, o: release(m)))
-        handles.append(block.register_full_backward_pre_hook(lambda m, g: gather(m)))
-        handles.append(block.register_full_backward_hook(lambda m, gi, go: after_backward(m)))
+    def both(first: int, second: int) -> None:  # hooks must return None (a value replaces the args)
+        gather(first)
+        gather(second)
+
+    for i, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(lambda m, a, i=i: both(i, i + 1)))
+        if zero == 3 and i < layers - 1:  # FSDP2 keeps the last block gathered: backward starts with it
+            handles.append(block.register_forward_hook(lambda m, a, o, i=i: release(i)))
+        handles.append(block.register_full_backward_pre_hook(lambda m, g, i=i: both(i, i - 1)))
+        handles.append(block.register_full_backward_hook(lambda m, gi, go, i=i: after_backward(i)))
     return handles

@@ -69,6 +69,12 @@ class PeakTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak = self.live
 
+    def ignore(self, tensors) -> None:
+        """Never count these storages (their bytes are accounted for another way)."""
+        for st in _storages(list(tensors)):
+            self._seen.add(st.data_ptr() if st.device.type != "meta" else id(st))
+            self._refs.append(st)  # keep the id valid while tracking
+
     def account(self, nbytes: int) -> None:
         """Count memory that is not a tracked tensor (+ allocated, - freed), e.g. in a dry run."""
         self.live += nbytes
