@@ -27,7 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ModelState", "ZERO_ALIASES", "dp_comm_bytes", "fsdp2_memory", "tp_comm_bytes", "zero_level", "zero_memory"]
+__all__ = [
+    "ModelState", "ZERO_ALIASES", "dp_comm_bytes", "fsdp2_memory", "min_max_partition", "tp_comm_bytes", "zero_level",
+    "zero_memory",
+]  # fmt: skip
 
 # FSDP's and DeepSpeed's names for the levels
 ZERO_ALIASES = {"no_shard": 0, "shard_grad_op": 2, "full": 3, "full_shard": 3}
@@ -99,3 +102,38 @@ def fsdp2_memory(psi: float, n: int, *, itemsize: int = 4) -> ModelState:
     figure (2Ψ + 14Ψ/N) counts the bf16 copies as always resident.
     """
     return ModelState(itemsize * psi / n, itemsize * psi / n, 2 * itemsize * psi / n)
+
+
+def min_max_partition(costs: list[float], parts: int) -> list[tuple[int, int]]:
+    """Split `costs` into `parts` contiguous runs whose largest sum is as small as it can be.
+
+    Exact (dynamic programming over prefix sums, O(parts * n^2)); ties go to the
+    split that puts more items earlier. Returns `[(start, stop), ...]`.
+
+    Example:
+        >>> min_max_partition([1, 2, 3, 4, 5], 2)
+        [(0, 3), (3, 5)]
+    """
+    n = len(costs)
+    if parts < 1 or parts > n:
+        raise ValueError(f"cannot split {n} items into {parts} non-empty contiguous parts")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest possible largest part when the first i items form k parts
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(i - 1, k - 2, -1):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds, i = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        bounds.append((j, i))
+        i = j
+    return bounds[::-1]

@@ -36,10 +36,20 @@ class GradSync:
                  counter: CommCounter = COUNTER):  # fmt: skip
         self.group, self.axis, self.reduce_dtype, self.counter = group, axis_name, reduce_dtype, counter
         self.enabled = True
-        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params.values() if p.requires_grad]
+        self.params = [p for p in params.values() if p.requires_grad]
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
 
     def _hook(self, p: torch.Tensor) -> None:
-        if not self.enabled or p.grad is None:
+        if self.enabled:
+            self._sync(p)
+
+    def flush(self) -> None:
+        """Sum every gradient now (after a pipeline's microbatches, which ran with sync off)."""
+        for p in self.params:
+            self._sync(p)
+
+    def _sync(self, p: torch.Tensor) -> None:
+        if p.grad is None:
             return
         g = _local(p.grad)
         buf = g.to(self.reduce_dtype) if g.dtype != self.reduce_dtype else g
@@ -92,8 +102,8 @@ class MeshAdamW:
             start = fp32_init.get(name, p.data)  # the fp32 values a bf16/fp16 parameter was rounded from
             if zero == 1 and dp_size > 1:
                 self.master[name] = self._sharded_master(name, p, start, layouts[name], mesh_axes, name in fp32_init)
-            elif master and zero < 2:
-                self.master[name] = _fp32_copy(start)
+            elif name in fp32_init or (master and zero < 2):
+                self.master[name] = _fp32_copy(start)  # (under ZeRO-2/3: a parameter FSDP2 leaves whole)
         targets = [self.master.get(n, p) for n, p in params.items()]
         self.inner = torch.optim.AdamW(targets, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         self.scaler: LossScaler | None = None

@@ -69,14 +69,7 @@ class Parallel(nn.Module):
     def named_model_parameters(self) -> dict[str, nn.Parameter]:
         """Parameters by their FQN in the original model (whatever wraps them here)."""
         names = set(self.compiled.traced.params)
-        out = {}
-        for path, p in self.gm.named_parameters():
-            parts = path.split(".")
-            for i in range(len(parts)):
-                if ".".join(parts[i:]) in names:
-                    out[".".join(parts[i:])] = p
-                    break
-        return out
+        return {_canonical(path, names): p for path, p in self.gm.named_parameters()}
 
     def shard_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of a global input."""
@@ -148,6 +141,15 @@ class Parallel(nn.Module):
         return total
 
 
+def _canonical(path: str, names: set[str]) -> str:
+    """The original model's FQN inside a wrapped path (`layer_0.block.layers.0.w` -> `layers.0.w`)."""
+    parts = path.split(".")
+    for i in range(len(parts)):
+        if ".".join(parts[i:]) in names:
+            return ".".join(parts[i:])
+    return path
+
+
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
@@ -169,8 +171,14 @@ def parallelize(
     replicate_axes: tuple[str, ...] = (),
     offload: bool = False,
     prefetch: bool = True,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    chunks: int | None = None,
+    pp_axis: str = "pp",
+    split_points: list[int] | None = None,
+    balance: str = "flops",
     compiled: Compiled | None = None,
-) -> Parallel:
+):
     """Compile `model` and build it on this rank's devices (call on every rank).
 
     Every check (mesh size against the world, rules, specs, input shapes)
@@ -179,9 +187,29 @@ def parallelize(
     data-parallel axes; `precision` sets the parameter (compute), reduce and
     output dtypes; `recompute` is "none", "block" or "selective"; `offload`
     keeps FSDP's shards on the CPU (ZeRO-2/3).
+
+    With a `pp_axis` in the mesh the model is cut into pipeline stages (see
+    `runtime.pipeline.parallelize_pipeline`): `microbatches` per step, a
+    `schedule` by name, `chunks` stages per rank (interleaved), optional
+    `split_points` (the layers where stages begin) and `balance` by "flops"
+    or "params". The result then trains with `train_step(batch, opt)`.
     """
     mdist.init()
     mesh.check_world_size(torch.distributed.get_world_size())
+    if pp_axis in mesh and mesh.axis_size(pp_axis) > 1:
+        from .pipeline import parallelize_pipeline
+
+        return parallelize_pipeline(
+            model, mesh=mesh, rules=rules, example_inputs=example_inputs, init=init, seed=seed,
+            sequence_parallel=sequence_parallel, in_specs=in_specs, zero=zero, precision=precision, recompute=recompute,
+            microbatches=microbatches, schedule=schedule, chunks=chunks, pp_axis=pp_axis, split_points=split_points,
+            balance=balance,
+        )  # fmt: skip
+    if microbatches != 1:
+        raise ValueError(
+            f"microbatches={microbatches} without a pipeline: pass the microbatches to train_step instead "
+            f"(gradient accumulation), or add a {pp_axis!r} axis to the mesh"
+        )
     compiled = compiled or compile_model(
         model, mesh=mesh, rules=rules, example_inputs=example_inputs, in_specs=in_specs,
         sequence_parallel=sequence_parallel, zero=zero, precision=precision, recompute=recompute,
@@ -209,6 +237,10 @@ def parallelize(
     par.fp32_init = par_fp32
     data = compiled.data_axes
     if opts.zero >= 2:
+        if compute in (torch.bfloat16, torch.float16):  # what FSDP2 leaves whole computes in bf16 too
+            whole_paths = {path for path, p in gm.named_parameters() if any(p is q for q in unshardable(gm))}
+            names = set(compiled.traced.params)
+            par.fp32_init = {_canonical(k, names): v for k, v in _cast_params(gm, compute, only=whole_paths).items()}
         left = {id(p) for p in unshardable(gm)}  # before fully_shard replaces the parameters
         shard = tuple(a for a in data if a not in opts.replicate_axes)
         par.fsdp_units = apply_fsdp(
@@ -225,18 +257,21 @@ def parallelize(
     return par
 
 
-def _cast_params(gm: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _cast_params(gm: nn.Module, dtype: torch.dtype, only: set[str] | None = None) -> dict[str, torch.Tensor]:
     """Replace the parameters by `dtype` copies; return their fp32 values by path.
 
     New Parameter objects, not `p.data = ...`: a DTensor's `.data` assignment
     relabels its dtype but keeps the old local tensor.
     """
     out, new = {}, {}
+    chosen = set()
     for path, p in gm.named_parameters():
-        out[path] = p.data
+        if only is None or path in only:
+            out[path] = p.data
+            chosen.add(id(p))
     for mod in gm.modules():
         for name, p in list(mod._parameters.items()):
-            if p is None:
+            if p is None or id(p) not in chosen:
                 continue
             if id(p) not in new:
                 new[id(p)] = nn.Parameter(p.data.to(dtype), requires_grad=p.requires_grad)
@@ -244,8 +279,9 @@ def _cast_params(gm: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, buffer_dtype=None) -> fx.GraphModule:
-    """The local GraphModule for this rank: parameters, buffers, collectives and special ops."""
+def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, buffer_dtype=None, only=None) -> fx.GraphModule:
+    """The local GraphModule for this rank: parameters (the names in `only`, else all), buffers,
+    collectives and special ops."""
     mesh, axes = compiled.mesh, compiled.axes
     device = torch.device(mdist.device_type(), torch.cuda.current_device()) if mdist.device_type() == "cuda" else torch.device("cpu")
     rank = torch.distributed.get_rank()
@@ -253,6 +289,8 @@ def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, buffer_d
     groups = {a: mdist.group(dm, a) for a in mesh.axis_names}
     root = nn.Module()
     for name, p in compiled.traced.params.items():
+        if only is not None and name not in only:
+            continue  # another pipeline stage's
         layout = compiled.param_layouts[name]
         local = init_local(name, tuple(p.shape), p.dtype, layout, axes.sizes, [coords[a] for a in axes.names], init, seed)
         dt = DTensor.from_local(local.to(device), dm, torch_placements(layout), shape=p.shape, stride=_stride(p.shape))
@@ -267,6 +305,8 @@ def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, buffer_d
         axis = spec.args.get("axis")
         root.add_module(spec.name, cls(**spec.args, rank=coords.get(axis, 0), groups=groups, ranks=coords))
     graph = _retarget_devices(compiled.graph, device)
+    if only is not None:
+        return root  # the pipeline builds each stage's graph on this root
     return fx.GraphModule(root, graph)
 
 

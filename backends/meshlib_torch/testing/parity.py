@@ -49,6 +49,8 @@ class RunConfig:
     microbatches: int = 1
     replicate_axes: tuple = ()
     offload: bool = False
+    schedule: str = "1f1b"  # with a pp axis in the mesh
+    chunks: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -135,11 +137,12 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
     mesh = Mesh.parse(run.mesh)
     meta = models.build(cfg, device="meta", dtype=run.torch_dtype)
     example = data.batch(0, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
+    pipelined = "pp" in mesh and mesh.axis_size("pp") > 1
     par = parallelize(
         meta,
         mesh=mesh,
         rules=models.default_rules(cfg, mesh),
-        example_inputs=_microbatch(example, 0, run.microbatches),
+        example_inputs=example if pipelined else _microbatch(example, 0, run.microbatches),
         init=_init(cfg),
         seed=run.seed,
         sequence_parallel=run.sequence_parallel,
@@ -148,8 +151,11 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
         recompute=run.recompute,
         replicate_axes=run.replicate_axes,
         offload=run.offload,
+        **(dict(microbatches=run.microbatches, schedule=run.schedule, chunks=run.chunks) if pipelined else {}),
     )
     opt = par.optimizer(lr=run.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if pipelined:
+        return _train_pipelined(run, par, opt, progress)
     losses, norms = [], []
     with _Progress(run.steps, f"{run.model} on {run.mesh}", enabled=progress) as bar:
         for step in range(run.steps):
@@ -164,6 +170,30 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
     if opt.master:  # the fp32 masters are the parameters' true values
         params.update({n: m.full_tensor().detach().clone() for n, m in opt.master.items() if n in params})
     return RunResult(losses, norms, params, par.plan, comm)
+
+
+def _train_pipelined(run: RunConfig, pipe, opt, progress: bool) -> RunResult:
+    """The pipeline's own train_step; every rank returns every stage's parameters."""
+    from ..runtime.comm import COUNTER
+
+    losses, norms = [], []
+    with _Progress(run.steps, f"{run.model} on {run.mesh} ({run.schedule})", enabled=progress) as bar:
+        for step in range(run.steps):
+            batch = data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
+            COUNTER.reset()
+            losses.append(pipe.train_step(batch, opt))
+            norms.append(pipe.last_grad_norm)
+            comm = COUNTER.snapshot()
+            bar.step(step, losses[-1], norms[-1])
+    mine = {n: _full(p) for n, p in pipe.named_model_parameters().items()}
+    if opt.master:
+        mine.update({n: m.full_tensor().detach().clone() for n, m in opt.master.items() if n in mine})
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    params = {}
+    for part in everyone:
+        params.update(part)
+    return RunResult(losses, norms, params, pipe.plan, comm)
 
 
 def _microbatch(batch: tuple, i: int, k: int) -> tuple:

@@ -1,0 +1,189 @@
+"""Pass 7, stages: cut the local graph into pipeline stages over the model's layers.
+
+The layers (the model's longest ModuleList) are grouped into `p * v`
+contiguous stages by an exact min-max partition of a cost per layer: forward
+FLOPs from `FlopCounterMode` on the meta device, or parameter bytes. User
+split points override the cost. The embeddings go with the first stage, the
+final norm, head and loss with the last.
+
+Each stage becomes its own graph. A value made in one stage and used in a
+later one crosses every boundary in between (pipeline stages talk only to
+their neighbours), so each boundary lists the values live across it, with
+their shapes and bytes per microbatch; the plan records them. A parameter
+used by two stages (tied embeddings) is materialized in both, and the
+runtime sums its gradient between them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from meshlib import Boundary
+from meshlib.cost import min_max_partition
+from torch import nn
+
+from .shapes import local_shape
+
+
+@dataclass
+class StageGraphs:
+    graphs: list[fx.Graph]
+    layers: list[tuple[int, int]]  # layer range [start, stop) of each stage
+    inputs: list[list[str]]  # value names each stage receives (stage 0: the model's inputs)
+    outputs: list[list[str]]  # value names each stage sends on (last: the model's output)
+    sends: list[tuple[Boundary, ...]] = field(default_factory=list)
+    params: list[set[str]] = field(default_factory=list)  # parameter FQNs each stage holds
+    costs: list[float] = field(default_factory=list)
+    balance: str = "flops"
+
+
+def layer_costs(model: nn.Module, layers: list[str], example_inputs: tuple, by: str = "flops") -> list[float]:
+    """Per layer: forward FLOPs on the meta device, or the bytes of its parameters."""
+    if by == "params":
+        return [float(sum(p.numel() * p.element_size() for p in model.get_submodule(path).parameters())) for path in layers]
+    if by != "flops":
+        raise ValueError(f"balance={by!r}: use 'flops' or 'params'")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = next(model.parameters()).device
+    inputs = tuple(torch.empty_like(x, device=device) if torch.is_tensor(x) else x for x in example_inputs)
+    counter = FlopCounterMode(display=False, depth=None)
+    with counter, torch.no_grad():
+        model(*inputs)
+    counts = counter.get_flop_counts()
+    root = type(model).__name__
+    return [float(sum(counts.get(f"{root}.{path}", {}).values())) for path in layers]
+
+
+def stage_ranges(
+    costs: list[float], n_stages: int, *, split_points: list[int] | None = None
+) -> list[tuple[int, int]]:
+    """`[(start, stop), ...]` layer ranges: the user's split points, else the min-max partition."""
+    n = len(costs)
+    if n_stages > n:
+        raise ValueError(
+            f"{n_stages} pipeline stages but the model has {n} layers; each stage needs at least one. "
+            f"Fix: use at most {n} stages (pp x chunks per rank), or a deeper model"
+        )
+    if split_points is not None:
+        points = sorted(split_points)
+        if len(points) != n_stages - 1 or points[0] <= 0 or points[-1] >= n or len(set(points)) != len(points):
+            raise ValueError(
+                f"split points {split_points} must be {n_stages - 1} distinct layer indices in 1..{n - 1}, "
+                f"where stages 2..{n_stages} begin"
+            )
+        edges = [0, *points, n]
+        return list(zip(edges, edges[1:]))
+    return min_max_partition(costs, n_stages)
+
+
+def _stage_of_part(ranges: list[tuple[int, int]], n_layers: int):
+    def stage(part: int) -> int:
+        if part == 0:
+            return 0
+        if part == n_layers + 1:
+            return len(ranges) - 1
+        layer = part - 1
+        return next(i for i, (a, b) in enumerate(ranges) if a <= layer < b)
+
+    return stage
+
+
+def build_stages(
+    graph: fx.Graph, parts: dict[fx.Node, int], ranges: list[tuple[int, int]], n_layers: int, axes, plans
+) -> StageGraphs:
+    """One graph per stage, values threaded through the boundaries in between."""
+    stage_of = _stage_of_part(ranges, n_layers)
+    by_name = {n.name: n for n in graph.nodes}
+    where: dict[str, int] = {}
+    for node, part in parts.items():
+        where[node.name] = stage_of(part)
+    n = len(ranges)
+    for node in graph.nodes:  # parameters and buffers go where they are read
+        if node.op == "get_attr":
+            users = sorted({where[u.name] for u in node.users if u.name in where})
+            where[node.name] = users[0] if users else 0
+    params = [set() for _ in range(n)]
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.meta.get("param"):
+            for u in node.users:
+                readers = [u] if not _is_read(u) else list(u.users)
+                for r in readers:
+                    params[where.get(r.name, where.get(u.name, 0))].add(node.target)
+    first_use = {}
+    last_use = {}
+    order = {node.name: i for i, node in enumerate(graph.nodes)}
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        s = where[node.name]
+        for a in node.all_input_nodes:
+            if a.op == "get_attr" or _is_read(a):
+                continue  # parameters are read where they are used (see _stage_graph)
+            src = 0 if a.op == "placeholder" else where[a.name]
+            if s > src:
+                last_use[a.name] = max(last_use.get(a.name, src), s)
+            first_use.setdefault(a.name, src)
+    for a in out_node.all_input_nodes:
+        src = 0 if a.op == "placeholder" else where[a.name]
+        if src < n - 1:
+            last_use[a.name] = max(last_use.get(a.name, src), n - 1)
+    live = [[] for _ in range(n - 1)]  # values crossing boundary b (between stage b and b+1)
+    for name, until in sorted(last_use.items(), key=lambda kv: order[kv[0]]):
+        node = by_name[name]
+        src = 0 if node.op == "placeholder" else where[name]
+        for b in range(src, until):
+            live[b].append(name)
+    model_inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
+    inputs = [model_inputs] + live
+    outputs = live + [None]
+    graphs = [_stage_graph(graph, where, s, inputs[s], outputs[s]) for s in range(n)]
+    sends = [tuple(_boundary(by_name[v], axes, plans) for v in live[b]) for b in range(n - 1)] + [()]
+    return StageGraphs(graphs, list(ranges), inputs, [o if o is not None else ["output"] for o in outputs], sends, params)
+
+
+def _boundary(node: fx.Node, axes, plans) -> Boundary:
+    val = node.meta["val"]
+    layout = plans[node].out if node in plans and plans[node].out is not None else None
+    shape = local_shape(tuple(val.shape), layout, axes.sizes) if isinstance(layout, tuple) and layout and not isinstance(layout[0], tuple) else tuple(val.shape)
+    return Boundary(node.name, tuple(shape), str(val.dtype).removeprefix("torch."), math.prod(shape) * val.element_size())
+
+
+def _stage_graph(graph: fx.Graph, where: dict[str, int], s: int, inputs: list[str], outputs: list[str] | None) -> fx.Graph:
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    by_name = {n.name: n for n in graph.nodes}
+    for name in inputs:
+        old = by_name[name]
+        env[old] = new.placeholder(name)
+        env[old].meta = dict(old.meta)
+    def arg(a: fx.Node) -> fx.Node:
+        if a not in env:  # a parameter (or its local shard) read in another stage too: read it here
+            if a.op == "get_attr":
+                env[a] = new.get_attr(a.target)
+            elif _is_read(a):
+                env[a] = new.node_copy(a, arg)
+            env[a].meta = dict(a.meta)
+        return env[a]
+
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output") or where.get(node.name) != s or (node.op == "get_attr"):
+            continue
+        if _is_read(node):
+            continue  # made on first use, in each stage that reads it
+        env[node] = new.node_copy(node, arg)
+    if outputs is None:
+        out = next(n for n in graph.nodes if n.op == "output")
+        new.output(fx.node.map_arg(out.args[0], arg))
+    else:
+        new.output(tuple(env[by_name[name]] for name in outputs))
+    return new
+
+
+def _is_read(node: fx.Node) -> bool:
+    """`param.to_local()`: a parameter's local shard, read afresh in every stage that uses it."""
+    return node.op == "call_method" and node.target == "to_local" and node.args[0].op == "get_attr"

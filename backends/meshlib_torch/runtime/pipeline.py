@@ -1,0 +1,310 @@
+"""Pipeline parallelism: the compiled model's stages on the pp axis, run by torch.distributed.pipelining.
+
+Each pp rank builds only its stages (its parameters alone are materialized)
+as `PipelineStage`s over the pp process group, whose timeout bounds every
+send and receive. GPipe, 1F1B, interleaved 1F1B and ZBV are torch's own
+schedule classes; ZB-H1 (one stage per rank, backward split into input and
+weight gradients) runs the core's `zb_h1` action lists on torch's schedule
+runtime, which lowers them to sends and receives. The loss is computed on the
+last stage and every rank gets the step's mean; gradients are summed over
+the data-parallel axes once all microbatches are in, and a parameter two
+stages share (tied embeddings) has its gradient summed between them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from meshlib import schedule as core_schedule
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining import schedules as _torch_schedules
+
+from ..compiler.shapes import local_shape
+from .comm import COUNTER
+
+_TORCH = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble}
+
+
+def _loss(output, target):
+    """The last stage already returns the microbatch's loss."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class Pipelined(nn.Module):
+    """This pp rank's stages of a compiled model, and the schedule that runs them."""
+
+    def __init__(self, par, stage_graphs, local: list[int], modules: list[nn.Module], sched, core, pp_group, microbatches):
+        super().__init__()
+        self.par, self.stage_graphs, self.local, self.core = par, stage_graphs, local, core
+        self.stage_modules = nn.ModuleList(modules)
+        self.schedule, self.pp_group, self.microbatches = sched, pp_group, microbatches
+        self.tied_groups: list[tuple[set[str], object]] = []
+        n = len(stage_graphs.graphs)
+        self.first, self.last = 0 in local, (n - 1) in local
+        self.last_rank = dist.get_global_rank(pp_group, core.placement[n - 1])
+
+    @property
+    def plan(self):
+        return self.par.plan
+
+    @property
+    def compiled(self):
+        return self.par.compiled
+
+    def named_model_parameters(self) -> dict[str, nn.Parameter]:
+        return self.par.named_model_parameters()
+
+    def optimizer(self, **kwargs):
+        """AdamW over this rank's stages' parameters (see `Parallel.optimizer`)."""
+        return self.par.optimizer(**kwargs)
+
+    def grad_norm(self) -> float:
+        """The global gradient norm: over data and tensor axes by DTensor, over stages by an all-reduce
+        (a parameter two stages share counts once)."""
+        first = {}
+        for s in sorted(self.local):
+            for name in self.stage_graphs.params[s]:
+                first.setdefault(name, s)
+        owners = {}
+        for s, names in enumerate(self.stage_graphs.params):
+            for name in names:
+                owners.setdefault(name, s)
+        total = torch.zeros((), dtype=torch.float64)
+        data = self.compiled.data_axes if self.par.zero == 1 else ()  # ZeRO-1 sums them only in its step
+        group = None
+        if data:
+            from . import dist as mdist
+
+            group = mdist.group(self.par.device_mesh, data)
+        for name, p in self.named_model_parameters().items():
+            if p.grad is None or owners.get(name) not in self.local:
+                continue
+            g = p.grad.to(torch.float64)
+            if group is not None:
+                local = g._local_tensor.clone()
+                dist.all_reduce(local, group=group)
+                g = type(g).from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
+            norm = torch.linalg.vector_norm(g)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            total += norm**2
+        dist.all_reduce(total, group=self.pp_group)
+        return float(total.sqrt())
+
+    def train_step(self, microbatches_or_batch, opt) -> float:
+        """One step over the global batch (the same on every rank); returns the mean loss everywhere."""
+        batch = microbatches_or_batch
+        names = self.compiled.input_names
+        local = [self.par.shard_input(n, x) for n, x in zip(names, batch)]
+        losses: list[torch.Tensor] = []
+        if self.par.grad_sync is not None:
+            self.par.grad_sync.enabled = False
+        if self.first:
+            target = torch.zeros(local[0].shape[0]) if self.last else None
+            self.schedule.step(*local, target=target, losses=losses if self.last else None, return_outputs=False)
+        elif self.last:
+            self.schedule.step(target=torch.zeros(local[0].shape[0]), losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        self.sync_gradients()
+        self.last_grad_norm = self.grad_norm()
+        value = torch.stack([x.detach().to(torch.float64) for x in losses]).mean() if losses else torch.zeros((), dtype=torch.float64)
+        dist.broadcast(value, src=self.last_rank, group=self.pp_group)
+        COUNTER.record("step", "broadcast", "pp", 8, "loss")
+        opt.step()
+        opt.zero_grad()
+        return float(value)
+
+    def sync_gradients(self) -> None:
+        """Sum the data-parallel partial gradients once, and tied parameters' between their stages."""
+        if self.par.grad_sync is not None:
+            self.par.grad_sync.enabled = True
+            self.par.grad_sync.flush()
+        params = self.named_model_parameters()
+        for names, group in self.tied_groups:
+            for name in sorted(names):
+                p = params.get(name)
+                if p is None or p.grad is None:
+                    continue
+                g = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+                dist.all_reduce(g, group=group)
+                COUNTER.record("backward", "all_reduce", "pp", g.numel() * g.element_size(), f"tied {name}")
+
+
+def placement(name: str, p: int, v: int) -> tuple[int, ...]:
+    """Stage -> pp rank: round-robin (`s % p`), or V-shaped for zbv."""
+    return core_schedule(name, p, max(p, 2 * p), v if name != "zbv" else None).placement
+
+
+def build(par, stage_graphs, root: nn.Module, *, schedule_name: str, microbatches: int, v: int, pp_axis: str, dm, device):
+    """The PipelineStages of this rank and the schedule (call on every rank)."""
+    from . import dist as mdist
+
+    compiled = par.compiled
+    p = compiled.mesh.axis_size(pp_axis)
+    core = core_schedule(schedule_name, p, microbatches, v if schedule_name in ("interleaved-1f1b", "zb-h1") else None)
+    pp_rank = compiled.mesh.coords(dist.get_rank())[pp_axis]
+    group = mdist.group(dm, pp_axis)
+    n = len(stage_graphs.graphs)
+    if n != p * core.v:
+        raise AssertionError(f"{n} stage graphs for {p} x {core.v} stages")
+    local = [s for s in range(n) if core.placement[s] == pp_rank]
+    modules, stages = [], []
+    for s in local:
+        module = fx.GraphModule(root, stage_graphs.graphs[s])
+        modules.append(module)
+        stages.append(
+            PipelineStage(
+                module, s, n, device, input_args=_example(compiled, stage_graphs.inputs[s], device),
+                output_args=_example(compiled, stage_graphs.outputs[s], device), group=group,
+            )  # both given: no shape-inference forward on uninitialized buffers
+        )  # fmt: skip
+    name = core.name
+    if name in _TORCH:
+        cls = _TORCH[name]
+        sched = cls(stages[0], microbatches, loss_fn=_loss) if name in ("gpipe", "1f1b") else cls(stages, microbatches, loss_fn=_loss)
+    else:  # zb-h1: the core's action lists on torch's runtime
+        sched = _torch_schedules._PipelineScheduleRuntime(stages, microbatches, loss_fn=_loss)
+        actions = {
+            r: [_torch_schedules._Action(a.stage, _torch_schedules._ComputationType(a.kind), a.microbatch) for a in row]
+            for r, row in enumerate(core.actions)
+        }
+        sched._prepare_schedule_with_comms(actions)
+    return Pipelined(par, stage_graphs, local, modules, sched, core, group, microbatches)
+
+
+def _example(compiled, names: list[str], device) -> tuple:
+    """Tensors shaped like these values for one microbatch on this rank (`output`: the loss)."""
+    by_name = {n.name: n for n in compiled.graph.nodes}
+    out = []
+    for name in names:
+        if name == "output":
+            out.append(torch.zeros((), device=device))
+            continue
+        node = by_name[name]
+        val = node.meta["val"]
+        plan = compiled.plans.get(node)
+        layout = plan.out if plan is not None and plan.out is not None else compiled.input_layouts.get(name)
+        shape = local_shape(tuple(val.shape), layout, compiled.axes.sizes) if layout is not None else tuple(val.shape)
+        out.append(torch.zeros(shape, dtype=val.dtype, device=device, requires_grad=val.is_floating_point()))
+    return tuple(out)
+
+
+def tied_groups(stage_graphs, core, compiled, pp_axis: str):
+    """For each parameter held by stages on different pp ranks, a process group over those ranks
+    (one per coordinate of the other axes; every rank creates every group, in the same order)."""
+    holders: dict[str, set[int]] = {}
+    for s, names in enumerate(stage_graphs.params):
+        for name in names:
+            holders.setdefault(name, set()).add(core.placement[s])
+    by_ranks: dict[tuple[int, ...], set[str]] = {}
+    for name, ranks in holders.items():
+        if len(ranks) > 1:
+            by_ranks.setdefault(tuple(sorted(ranks)), set()).add(name)
+    mesh = compiled.mesh
+    others = [a for a in mesh.axis_names if a != pp_axis]
+    me = dist.get_rank()
+    out = []
+    for pp_ranks, names in sorted(by_ranks.items()):
+        for coords in itertools.product(*(range(mesh.axis_size(a)) for a in others)):
+            ranks = [mesh.rank({**dict(zip(others, coords)), pp_axis: r}) for r in pp_ranks]
+            group = dist.new_group(ranks)
+            if me in ranks:
+                out.append((names, group))
+    return out
+
+
+def parallelize_pipeline(
+    model: nn.Module, /, *, mesh, rules, example_inputs: tuple, init, seed: int, sequence_parallel: bool, in_specs,
+    zero, precision, recompute: str, microbatches: int, schedule: str, chunks: int | None, pp_axis: str,
+    split_points, balance: str,
+) -> Pipelined:
+    """`parallelize` for a mesh with a pipeline axis (call on every rank; every check comes first)."""
+    from meshlib.cost import zero_level
+
+    from ..compiler.compile import compile_model
+    from ..compiler.split import layer_paths
+    from ..compiler.stages import build_stages, layer_costs, stage_ranges
+    from . import dist as mdist
+    from .optim import GradSync
+    from .parallel import Parallel, _cast_params, _dtype, _retarget_devices, lower
+
+    name, v = _schedule_name(schedule, chunks)
+    p = mesh.axis_size(pp_axis)
+    batch = example_inputs[0].shape[0]
+    if microbatches < 1 or batch % microbatches:
+        raise ValueError(
+            f"the batch of {batch} does not split into {microbatches} microbatches. Fix: make the batch a "
+            f"multiple of the microbatch count, or pick a count that divides {batch}"
+        )
+    if zero_level(zero) >= 2:
+        raise ValueError("pipeline parallelism composes with zero=0 or 1 here; ZeRO-2/3 (FSDP2) inside stages is not built yet")
+    core = core_schedule(name, p, microbatches, v)  # checks p, m and v before any communication
+    micro = tuple(x.chunk(microbatches)[0] if torch.is_tensor(x) else x for x in example_inputs)
+    layers = layer_paths(model)
+    n_stages = p * core.v
+    costs = layer_costs(model, layers, micro, by=balance)
+    ranges = stage_ranges(costs, n_stages, split_points=split_points)
+    compiled = compile_model(
+        model, mesh=mesh, rules=rules, example_inputs=micro, in_specs=in_specs, sequence_parallel=sequence_parallel,
+        zero=zero, precision=precision, recompute=recompute,
+    )  # fmt: skip
+    stages = build_stages(compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans)
+    stages.costs = [sum(costs[a:b]) for a, b in ranges]
+    stages.balance = balance if split_points is None else "user split points"
+    compiled.plan = _plan_with_stages(compiled.plan, stages, core, layers, microbatches, pp_axis, mesh)
+    dm = mdist.device_mesh(mesh)
+    pp_rank = mesh.coords(dist.get_rank())[pp_axis]
+    mine = {s for s in range(n_stages) if core.placement[s] == pp_rank}
+    only = set().union(*(stages.params[s] for s in mine))
+    opts = compiled.options
+    compute = _dtype(opts.precision.param)
+    root = lower(compiled, dm, model, init=init, seed=seed, buffer_dtype=compute, only=only)
+    par = Parallel(compiled, root, dm)
+    if compute in (torch.bfloat16, torch.float16):
+        par.fp32_init = _cast_params(root, compute)
+    device = next((b.device for b in root.buffers()), torch.device("cpu"))
+    stages.graphs = [_retarget_devices(g, device) for g in stages.graphs]
+    if opts.zero == 0 and compiled.data_axes:
+        synced = {n: q for n, q in par.named_model_parameters().items() if n in compiled.synced_params}
+        par.grad_sync = GradSync(synced, mdist.group(dm, compiled.data_axes), "_".join(compiled.data_axes), _dtype(opts.precision.reduce))
+    pipe = build(par, stages, root, schedule_name=name, microbatches=microbatches, v=core.v, pp_axis=pp_axis, dm=dm, device=device)
+    pipe.tied_groups = tied_groups(stages, core, compiled, pp_axis)
+    return pipe
+
+
+def _schedule_name(schedule: str, chunks: int | None) -> tuple[str, int | None]:
+    from meshlib.schedules import _resolve
+
+    return _resolve(schedule, chunks)
+
+
+def _plan_with_stages(plan, stages, core, layers: list[str], m: int, pp_axis: str, mesh):
+    """The plan's stages (layers, cost, what each sends per microbatch) and its pipeline traffic."""
+    from meshlib import Collective, Stage
+
+    records = []
+    out = []
+    for s, ((a, b), sends) in enumerate(zip(stages.layers, stages.sends)):
+        mods = tuple(layers[a:b])
+        out.append(Stage(s, core.placement[s], mods, stages.costs[s] if stages.costs else 0.0, tuple(sends)))
+        for bnd in sends:
+            records.append(Collective("send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s} -> {s + 1}", "forward", m, 2))
+            if bnd.dtype.startswith(("float", "bfloat")):
+                records.append(Collective("send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s + 1} -> {s}", "backward", m, 2))
+    notes = dict(plan.notes) | {"stage split": stages.balance}
+    return plan.replace(
+        stages=tuple(out), schedule=core.name, microbatches=m, collectives=plan.collectives + tuple(records), notes=tuple(notes.items())
+    )
+
+
+__all__ = ["Pipelined", "build", "parallelize_pipeline", "placement", "tied_groups"]
