@@ -177,6 +177,7 @@ def parallelize(
     pp_axis: str = "pp",
     split_points: list[int] | None = None,
     balance: str = "flops",
+    timeout: float | None = None,
     compiled: Compiled | None = None,
 ):
     """Compile `model` and build it on this rank's devices (call on every rank).
@@ -193,6 +194,8 @@ def parallelize(
     `schedule` by name, `chunks` stages per rank (interleaved), optional
     `split_points` (the layers where stages begin) and `balance` by "flops"
     or "params". The result then trains with `train_step(batch, opt)`.
+    `timeout` (seconds) bounds every collective and send/receive of this
+    model's process groups (default: the world group's).
     """
     mdist.init()
     mesh.check_world_size(torch.distributed.get_world_size())
@@ -203,7 +206,7 @@ def parallelize(
             model, mesh=mesh, rules=rules, example_inputs=example_inputs, init=init, seed=seed,
             sequence_parallel=sequence_parallel, in_specs=in_specs, zero=zero, precision=precision, recompute=recompute,
             microbatches=microbatches, schedule=schedule, chunks=chunks, pp_axis=pp_axis, split_points=split_points,
-            balance=balance,
+            balance=balance, timeout=timeout,
         )  # fmt: skip
     if microbatches != 1:
         raise ValueError(
@@ -220,7 +223,7 @@ def parallelize(
         raise ValueError("replicate_axes (HSDP) needs zero=2 or 3, where FSDP2 shards over the other data axes")
     if offload and opts.zero < 2:
         raise ValueError("offload needs zero=2 or 3 (FSDP2's CPUOffloadPolicy)")
-    dm = mdist.device_mesh(mesh)
+    dm = mdist.device_mesh(mesh, timeout=timeout)
     compute = _dtype(opts.precision.param)
     gm = lower(compiled, dm, model, init=init, seed=seed, buffer_dtype=compute)
     par_fp32 = {}

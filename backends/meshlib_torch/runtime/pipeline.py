@@ -226,7 +226,7 @@ def tied_groups(stage_graphs, core, compiled, pp_axis: str):
 def parallelize_pipeline(
     model: nn.Module, /, *, mesh, rules, example_inputs: tuple, init, seed: int, sequence_parallel: bool, in_specs,
     zero, precision, recompute: str, microbatches: int, schedule: str, chunks: int | None, pp_axis: str,
-    split_points, balance: str,
+    split_points, balance: str, timeout: float | None = None,
 ) -> Pipelined:
     """`parallelize` for a mesh with a pipeline axis (call on every rank; every check comes first)."""
     from meshlib.cost import zero_level
@@ -262,7 +262,7 @@ def parallelize_pipeline(
     stages.costs = [sum(costs[a:b]) for a, b in ranges]
     stages.balance = balance if split_points is None else "user split points"
     compiled.plan = _plan_with_stages(compiled.plan, stages, core, layers, microbatches, pp_axis, mesh)
-    dm = mdist.device_mesh(mesh)
+    dm = mdist.device_mesh(mesh, timeout=timeout)
     pp_rank = mesh.coords(dist.get_rank())[pp_axis]
     mine = {s for s in range(n_stages) if core.placement[s] == pp_rank}
     only = set().union(*(stages.params[s] for s in mine))
@@ -301,7 +301,7 @@ def _plan_with_stages(plan, stages, core, layers: list[str], m: int, pp_axis: st
             records.append(Collective("send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s} -> {s + 1}", "forward", m, 2))
             if bnd.dtype.startswith(("float", "bfloat")):
                 records.append(Collective("send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s + 1} -> {s}", "backward", m, 2))
-    notes = dict(plan.notes) | {"stage split": stages.balance}
+    notes = dict(plan.notes) | {"stage split": f"by layer FQN on the {dict(plan.notes)['trace']} graph, balanced by {stages.balance}"}
     return plan.replace(
         stages=tuple(out), schedule=core.name, microbatches=m, collectives=plan.collectives + tuple(records), notes=tuple(notes.items())
     )

@@ -1,0 +1,144 @@
+"""Pipeline parallelism on real gloo ranks against the single-process run, and its failure modes.
+
+Method: the parity harness trains with a pp axis in the mesh (the compiled
+model cut into stages, run by torch.distributed.pipelining) and compares
+losses, gradient norms and every parameter after 3 AdamW steps with the
+unsharded run, in fp64 to 1e-12. Every schedule runs at pp=2, several at
+pp=4, and pp composes with dp (tied embeddings across the first and last
+stage), tp with sequence parallelism, both on 8 ranks, and ZeRO-1.
+"""
+
+import re
+import time
+
+import pytest
+import torch
+
+from meshlib import Mesh, bubble_formula, schedule, simulate
+from meshlib_torch import COUNTER, parallelize
+from meshlib_torch.models import build, config, default_rules
+from meshlib_torch.runtime import dist as mdist
+from meshlib_torch.testing.parity import RunConfig, compare, train_parallel, train_reference
+from meshlib_torch.testing.pool import RankError, close_all, get_pool
+
+pytestmark = pytest.mark.ranks
+
+
+def _check(**kw):
+    run = RunConfig(**kw)
+    result = get_pool(Mesh.parse(run.mesh).size).run(train_parallel, run)[0]
+    diffs = compare(train_reference(run), result, run.tolerance)
+    assert diffs["loss"] < 1e-12
+    return result
+
+
+@pytest.mark.parametrize(
+    "sched, layers",
+    [("gpipe", 2), ("1f1b", 2), ("interleaved-1f1b", 4), ("zb-h1", 2), ("zbv", 4), ("ScheduleInterleavedZeroBubble", 4)],
+)
+def test_every_schedule_at_pp2(sched, layers):
+    result = _check(model="llama-tiny", mesh="pp=2", microbatches=4, schedule=sched, overrides={"n_layers": layers})
+    assert result.plan.microbatches == 4 and result.plan.schedule in sched.lower() + "zb-h1"
+
+
+@pytest.mark.parametrize("sched, layers", [("1f1b", 4), ("interleaved-1f1b", 8), ("zbv", 8), ("zb-h1", 4)])
+def test_schedules_at_pp4(sched, layers):
+    _check(model="llama-tiny", mesh="pp=4", microbatches=4, schedule=sched, overrides={"n_layers": layers})
+
+
+def test_pp_with_dp_and_tied_embeddings_across_stages():
+    """The GPT ties its input and output embeddings: first and last stage each hold a copy."""
+    _check(model="gpt-tiny", mesh="pp=2,dp=2", microbatches=2, schedule="1f1b")
+
+
+def test_pp_with_tp_and_sequence_parallel():
+    _check(model="llama-tiny", mesh="pp=2,tp=2", microbatches=2, schedule="zb-h1", sequence_parallel=True)
+
+
+def test_three_d_mesh_dp_tp_pp_on_8_ranks():
+    _check(model="llama-tiny", mesh="dp=2,pp=2,tp=2", microbatches=2, schedule="1f1b", batch_size=8)
+
+
+def test_pp_with_zero1():
+    _check(model="llama-tiny", mesh="pp=2,dp=2", microbatches=2, schedule="gpipe", zero=1)
+
+
+def test_plan_records_stages_boundaries_and_traffic():
+    run = RunConfig(model="llama-tiny", mesh="pp=2", microbatches=2, schedule="1f1b", steps=1, overrides={"n_layers": 4})
+    result = get_pool(2).run(train_parallel, run)[0]
+    plan = result.plan
+    assert [s.modules for s in plan.stages] == [("layers.0", "layers.1"), ("layers.2", "layers.3")]
+    hidden = [b for b in plan.stages[0].sends if b.dtype == "float64" and len(b.shape) == 3]
+    b_m = run.batch_size // run.microbatches
+    assert [b.shape for b in hidden] == [(b_m, run.seq_len, config("llama-tiny").dim)]  # b x s x h per microbatch
+    assert hidden[0].bytes == b_m * run.seq_len * 32 * 8
+    sends = [c for c in plan.collectives if c.kind == "send_recv"]
+    assert {c.phase for c in sends} == {"forward", "backward"} and all(c.count == 2 for c in sends)
+    assert "by layer FQN on the fx graph, balanced by flops" in plan.note_map["stage split"]
+    sent = result.comm["by_kind"]
+    assert ("step", "broadcast", "pp") in sent  # the loss, from the last stage to every rank
+
+
+def _bad(flaw: str):
+    mesh = Mesh(pp=2)
+    x = torch.zeros(4, 16, dtype=torch.long)
+    model = build("llama-tiny")
+    kw = dict(microbatches=3) if flaw == "microbatches" else dict(microbatches=2, schedule="zbv")  # zbv: 4 stages > 2 layers
+    COUNTER.reset()
+    before = len(mdist._MESHES)
+    try:
+        parallelize(model, mesh=mesh, rules=default_rules("llama-tiny", mesh), example_inputs=(x, x), init=lambda n: ("zeros", 0.0), **kw)
+    except ValueError as err:
+        return str(err), COUNTER.calls, len(mdist._MESHES) - before
+    return "no error", 0, 0
+
+
+@pytest.mark.parametrize(
+    "flaw, message",
+    [
+        ("microbatches", r"the batch of 4 does not split into 3 microbatches"),
+        ("stages", r"4 pipeline stages but the model has 2 layers"),
+    ],
+)
+def test_bad_pipeline_input_fails_on_every_rank_before_any_communication(flaw, message):
+    results = get_pool(2).run(_bad, flaw)
+    for text, calls, meshes in results:
+        assert re.search(message, text), text
+        assert calls == 0 and meshes == 0
+
+
+def _stall():
+    """Rank 1 never runs its stage: rank 0's send must time out, not hang."""
+    mesh = Mesh(pp=2)
+    x = torch.zeros(4, 16, dtype=torch.long)
+    pipe = parallelize(
+        build("llama-tiny"), mesh=mesh, rules=default_rules("llama-tiny", mesh), example_inputs=(x, x),
+        init=lambda n: ("normal", 0.02), microbatches=2, timeout=4.0,
+    )  # fmt: skip
+    opt = pipe.optimizer(lr=1e-3)
+    if torch.distributed.get_rank() == 1:
+        return "skipped"
+    start = time.monotonic()
+    try:
+        pipe.train_step((x, x), opt)
+    except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError on a timeout
+        return f"raised after {time.monotonic() - start:.1f}s: {type(err).__name__}"
+    return "finished"
+
+
+def test_a_stalled_stage_times_out_instead_of_hanging():
+    try:
+        results = get_pool(2).run(_stall, timeout=60)
+        assert results[1] == "skipped"
+        seconds = float(re.search(r"after ([0-9.]+)s", results[0]).group(1))
+        assert seconds < 30, results
+    except RankError as err:  # rank 0 may surface the timeout as its job's exception
+        assert "imed out" in str(err) or "Timeout" in str(err) or "timed out" in str(err).lower(), str(err)
+    finally:
+        close_all()  # the groups of this job are broken now
+
+
+def test_simulated_bubbles_match_the_closed_forms_used_in_the_benchmark():
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"):
+        sim = simulate(schedule(name, 4, 8), t_f=1.0, t_b=2.0, t_w=1.0)
+        assert sim.bubble == pytest.approx(bubble_formula(name, 4, 8))
