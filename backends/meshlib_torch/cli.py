@@ -34,6 +34,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", default="0", help="0|1|2|3 or no_shard|shard_grad_op|full: what is sharded over dp")
     p.add_argument("--precision", default="", help="compute dtype: fp32|bf16|fp16, or param=..,reduce=..,output=..")
     p.add_argument("--recompute", default="none", choices=["none", "block", "selective"], help="activation recompute")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (pipeline, or accumulation)")
+    p.add_argument(
+        "--schedule", default="1f1b",
+        help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv (any case; torch's class names too)",
+    )  # fmt: skip
+    p.add_argument("--chunks", type=int, default=None, help="pipeline stages per rank (interleaved schedules)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,11 +83,19 @@ def plan_main(args) -> Plan:
     model = models.build(cfg, device="meta", dtype=getattr(torch, args.dtype))
     seq = _seq(args)
     example = tuple(torch.empty(args.batch, seq, dtype=torch.long, device="meta") for _ in range(2))
-    compiled = compile_model(
-        model, mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=example, sequence_parallel=args.sp,
+    common = dict(
+        mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=example, sequence_parallel=args.sp,
         zero=zero_level(args.zero), precision=Precision.parse(args.precision) if args.precision else None,
         recompute=args.recompute, estimate_memory=True,
     )  # fmt: skip
+    if "pp" in mesh and mesh.axis_size("pp") > 1:
+        from .runtime.pipeline import compile_pipeline
+
+        compiled, _, _ = compile_pipeline(
+            model, **common, microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks
+        )
+    else:
+        compiled = compile_model(model, **common)
     plan = compiled.plan.replace(notes=compiled.plan.notes + (("model", args.model), ("batch x seq", f"{args.batch} x {seq}")))
     tables = _plan_tables(plan, grouped=not args.all)
     tables[1] = param_table(compiled, grouped=not args.all)
@@ -147,6 +161,7 @@ def run_main(args) -> None:
         model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch, seq_len=_seq(args, cap=64),
         dtype=args.dtype, lr=args.lr, seed=args.seed, sequence_parallel=args.sp, overrides=_overrides(args),
         zero=zero_level(args.zero), precision=args.precision, recompute=args.recompute,
+        microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
     )  # fmt: skip
     rank0 = int(os.environ["RANK"]) == 0
     result = train_parallel(run, progress=rank0)
@@ -185,10 +200,14 @@ def _reference_table(diffs: dict, run) -> Table:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    if args.command == "plan":
-        plan_main(args)
-    else:
-        run_main(args)
+    try:
+        if args.command == "plan":
+            plan_main(args)
+        else:
+            run_main(args)
+    except ValueError as err:  # bad input: the message says what to change; no traceback
+        print(f"meshlib {args.command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 __all__ = ["main", "plan_main", "run_main", "grouped_collectives", "param_table"]

@@ -122,8 +122,8 @@ def build_stages(
             continue
         s = where[node.name]
         for a in node.all_input_nodes:
-            if a.op == "get_attr" or _is_read(a):
-                continue  # parameters are read where they are used (see _stage_graph)
+            if a.op == "get_attr" or _is_read(a) or _from_buffers(a):
+                continue  # parameters are read, and buffer-only values remade, where they are used
             src = 0 if a.op == "placeholder" else where[a.name]
             if s > src:
                 last_use[a.name] = max(last_use.get(a.name, src), s)
@@ -165,7 +165,7 @@ def _stage_graph(graph: fx.Graph, where: dict[str, int], s: int, inputs: list[st
         if a not in env:  # a parameter (or its local shard) read in another stage too: read it here
             if a.op == "get_attr":
                 env[a] = new.get_attr(a.target)
-            elif _is_read(a):
+            elif _is_read(a) or _from_buffers(a):
                 env[a] = new.node_copy(a, arg)
             env[a].meta = dict(a.meta)
         return env[a]
@@ -173,7 +173,7 @@ def _stage_graph(graph: fx.Graph, where: dict[str, int], s: int, inputs: list[st
     for node in graph.nodes:
         if node.op in ("placeholder", "output") or where.get(node.name) != s or (node.op == "get_attr"):
             continue
-        if _is_read(node):
+        if _is_read(node) or _from_buffers(node):
             continue  # made on first use, in each stage that reads it
         env[node] = new.node_copy(node, arg)
     if outputs is None:
@@ -187,3 +187,16 @@ def _stage_graph(graph: fx.Graph, where: dict[str, int], s: int, inputs: list[st
 def _is_read(node: fx.Node) -> bool:
     """`param.to_local()`: a parameter's local shard, read afresh in every stage that uses it."""
     return node.op == "call_method" and node.target == "to_local" and node.args[0].op == "get_attr"
+
+
+def _from_buffers(node: fx.Node, _memo: dict | None = None) -> bool:
+    """A value made from buffers and constants alone (rotary tables sliced to the sequence):
+    cheaper to remake in each stage than to send through every boundary."""
+    if node.op == "get_attr":
+        return not node.meta.get("param")
+    if node.op in ("placeholder", "output") or node.op == "call_module":
+        return False
+    if _is_read(node):
+        return False
+    inputs = node.all_input_nodes
+    return bool(inputs) and all(_from_buffers(a) for a in inputs)

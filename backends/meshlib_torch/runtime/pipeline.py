@@ -229,39 +229,16 @@ def parallelize_pipeline(
     split_points, balance: str, timeout: float | None = None,
 ) -> Pipelined:
     """`parallelize` for a mesh with a pipeline axis (call on every rank; every check comes first)."""
-    from meshlib.cost import zero_level
-
-    from ..compiler.compile import compile_model
-    from ..compiler.split import layer_paths
-    from ..compiler.stages import build_stages, layer_costs, stage_ranges
     from . import dist as mdist
     from .optim import GradSync
     from .parallel import Parallel, _cast_params, _dtype, _retarget_devices, lower
 
-    name, v = _schedule_name(schedule, chunks)
-    p = mesh.axis_size(pp_axis)
-    batch = example_inputs[0].shape[0]
-    if microbatches < 1 or batch % microbatches:
-        raise ValueError(
-            f"the batch of {batch} does not split into {microbatches} microbatches. Fix: make the batch a "
-            f"multiple of the microbatch count, or pick a count that divides {batch}"
-        )
-    if zero_level(zero) >= 2:
-        raise ValueError("pipeline parallelism composes with zero=0 or 1 here; ZeRO-2/3 (FSDP2) inside stages is not built yet")
-    core = core_schedule(name, p, microbatches, v)  # checks p, m and v before any communication
-    micro = tuple(x.chunk(microbatches)[0] if torch.is_tensor(x) else x for x in example_inputs)
-    layers = layer_paths(model)
-    n_stages = p * core.v
-    costs = layer_costs(model, layers, micro, by=balance)
-    ranges = stage_ranges(costs, n_stages, split_points=split_points)
-    compiled = compile_model(
-        model, mesh=mesh, rules=rules, example_inputs=micro, in_specs=in_specs, sequence_parallel=sequence_parallel,
-        zero=zero, precision=precision, recompute=recompute,
+    compiled, stages, core = compile_pipeline(
+        model, mesh=mesh, rules=rules, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
+        in_specs=in_specs, zero=zero, precision=precision, recompute=recompute, microbatches=microbatches,
+        schedule=schedule, chunks=chunks, pp_axis=pp_axis, split_points=split_points, balance=balance,
     )  # fmt: skip
-    stages = build_stages(compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans)
-    stages.costs = [sum(costs[a:b]) for a, b in ranges]
-    stages.balance = balance if split_points is None else "user split points"
-    compiled.plan = _plan_with_stages(compiled.plan, stages, core, layers, microbatches, pp_axis, mesh)
+    name, n_stages = core.name, len(stages.graphs)
     dm = mdist.device_mesh(mesh, timeout=timeout)
     pp_rank = mesh.coords(dist.get_rank())[pp_axis]
     mine = {s for s in range(n_stages) if core.placement[s] == pp_rank}
@@ -280,6 +257,46 @@ def parallelize_pipeline(
     pipe = build(par, stages, root, schedule_name=name, microbatches=microbatches, v=core.v, pp_axis=pp_axis, dm=dm, device=device)
     pipe.tied_groups = tied_groups(stages, core, compiled, pp_axis)
     return pipe
+
+
+def compile_pipeline(
+    model: nn.Module, /, *, mesh, rules, example_inputs: tuple, sequence_parallel: bool = False, in_specs=None,
+    zero=0, precision=None, recompute: str = "none", microbatches: int, schedule: str = "1f1b",
+    chunks: int | None = None, pp_axis: str = "pp", split_points=None, balance: str = "flops",
+    estimate_memory: bool = False,
+):
+    """The pure part of pipelining (no processes): checks, the compiled microbatch graph, its stages,
+    the schedule, and the plan with both. `meshlib plan` uses it as it is."""
+    from meshlib.cost import zero_level
+
+    from ..compiler.compile import compile_model
+    from ..compiler.split import layer_paths
+    from ..compiler.stages import build_stages, layer_costs, stage_ranges
+
+    name, v = _schedule_name(schedule, chunks)
+    p = mesh.axis_size(pp_axis)
+    batch = example_inputs[0].shape[0]
+    if microbatches < 1 or batch % microbatches:
+        raise ValueError(
+            f"the batch of {batch} does not split into {microbatches} microbatches. Fix: make the batch a "
+            f"multiple of the microbatch count, or pick a count that divides {batch}"
+        )
+    if zero_level(zero) >= 2:
+        raise ValueError("pipeline parallelism composes with zero=0 or 1 here; ZeRO-2/3 (FSDP2) inside stages is not built yet")
+    core = core_schedule(name, p, microbatches, v)  # checks p, m and v before any communication
+    micro = tuple(x.chunk(microbatches)[0] if torch.is_tensor(x) else x for x in example_inputs)
+    layers = layer_paths(model)
+    costs = layer_costs(model, layers, micro, by=balance)
+    ranges = stage_ranges(costs, p * core.v, split_points=split_points)
+    compiled = compile_model(
+        model, mesh=mesh, rules=rules, example_inputs=micro, in_specs=in_specs, sequence_parallel=sequence_parallel,
+        zero=zero, precision=precision, recompute=recompute, estimate_memory=estimate_memory,
+    )  # fmt: skip
+    stages = build_stages(compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans)
+    stages.costs = [sum(costs[a:b]) for a, b in ranges]
+    stages.balance = balance if split_points is None else "user split points"
+    compiled.plan = _plan_with_stages(compiled.plan, stages, core, layers, microbatches, pp_axis, mesh)
+    return compiled, stages, core
 
 
 def _schedule_name(schedule: str, chunks: int | None) -> tuple[str, int | None]:
