@@ -5,7 +5,7 @@ torch backend, `meshlib_torch`, compiles and runs what the core declares.
 """
 
 from ._backend import backend
-from .cost import ModelState, dp_comm_bytes, fsdp2_memory, tp_comm_bytes, zero_level, zero_memory
+from .cost import ModelState, dp_comm_bytes, fsdp2_memory, min_max_partition, tp_comm_bytes, zero_level, zero_memory
 from .mesh import CANONICAL_AXES, Mesh
 from .plan import Boundary, Collective, Memory, Plan, Precision, Stage
 from .rules import LogicalRules, PatternRules, Rule, compose, dims, logical_rules, pattern_rules
@@ -77,6 +77,7 @@ __all__ = [
     "interleaved_1f1b",
     "layout",
     "logical_rules",
+    "min_max_partition",
     "one_f_one_b",
     "pattern_rules",
     "schedule",

@@ -69,3 +69,15 @@ def test_backend_lookup_errors_are_clear():
 
     with pytest.raises(LookupError, match="no meshlib backend named 'tpu'"):
         meshlib.backend("tpu")
+
+
+@pytest.mark.parametrize("package", ["meshlib", "meshlib_torch"])
+def test_public_names_resolve_and_are_sorted(package):
+    """Every name in `__all__` exists, and the list is sorted so a re-export is listed once."""
+    import importlib
+
+    mod = importlib.import_module(package)
+    missing = [n for n in mod.__all__ if not hasattr(mod, n)]
+    assert not missing, f"{package}.__all__ names missing attributes: {missing}"
+    assert len(set(mod.__all__)) == len(mod.__all__)
+    assert list(mod.__all__) == sorted(mod.__all__)

@@ -6,11 +6,21 @@
 - `parallelize(...)` builds the compiled model on a real DeviceMesh under
   torchrun: DTensor parameters made in their shards, NCCL or gloo collectives.
 - `COUNTER` counts the logical bytes each collective moves, per step and rank.
+- `checkpoint.save(path, par, opt, step=...)` / `checkpoint.load(path, par, opt)`
+  write and read the whole training state with DCP, by the model's own names,
+  and reshard on load to another mesh or zero level.
+- `PeakTracker` measures peak live tensor bytes (the dry run's reference).
 """
 
 from . import cli  # noqa: E402,F401  (the `meshlib` command finds it here)
 from .compiler.compile import Compiled, compile_model
+from .runtime import checkpoint
 from .runtime.comm import COUNTER, CommCounter
+from .runtime.memtrack import PeakTracker
+from .runtime.optim import LossScaler, MeshAdamW
 from .runtime.parallel import Parallel, parallelize
 
-__all__ = ["COUNTER", "CommCounter", "Compiled", "Parallel", "compile_model", "parallelize"]
+__all__ = [
+    "COUNTER", "CommCounter", "Compiled", "LossScaler", "MeshAdamW", "Parallel", "PeakTracker", "checkpoint",
+    "compile_model", "parallelize",
+]  # fmt: skip

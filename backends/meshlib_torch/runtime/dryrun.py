@@ -168,7 +168,10 @@ def _fsdp_hooks(gm: nn.Module, layers: int, tracker: PeakTracker, zero: int, n_d
     after its forward and after its backward, ZeRO-2 only after its backward.
     After a block's backward its gradients are copied into a flat buffer,
     reduce-scattered into a full-precision shard and freed. The root's
-    parameters stay gathered for the whole step.
+    parameters (embedding, final norm, head) are charged for the whole step.
+    FSDP2 frees them after forward and gathers them again when backward
+    starts, which is where the peak falls (logits and their gradient alive),
+    so the charge matches the step's peak though not every moment of it.
     """
     handles = []
     blocks = [getattr(gm, f"layer_{i}") for i in range(layers)]

@@ -5,7 +5,9 @@ when it appears and removed when it is freed (a weakref finalizer on the
 storage). Storages alive when tracking starts (parameters, optimizer state)
 are counted once as the baseline, so `peak` is the whole rank's peak of
 tensor memory during the tracked region, as an allocator would see it
-(without its caching and rounding).
+(without its caching and rounding). FSDP2 frees and re-allocates its
+gathered parameters by resizing their storages in place, which no op
+dispatch shows, so `UntypedStorage.resize_` is watched too while tracking.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def _storages(obj) -> list:
     for t in tree_flatten(obj)[0]:
         if isinstance(t, DTensor):
             t = t._local_tensor
-        if torch.is_tensor(t) and not t.is_meta or (torch.is_tensor(t) and t.is_meta):
+        if torch.is_tensor(t):
             try:
                 out.append(t.untyped_storage())
             except (RuntimeError, NotImplementedError):
@@ -38,44 +40,71 @@ class PeakTracker(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._seen: set[int] = set()
-        self._refs: list = []
+        self._bytes: dict[int, int] = {}  # id(storage) -> bytes counted for it now
+        self._ignored: list = []
+        self._resize = None
 
     def _add(self, storage) -> None:
-        key = storage.data_ptr() if not storage.device.type == "meta" else id(storage)
-        if key in self._seen or storage.nbytes() == 0:
+        key = id(storage)
+        if key in self._bytes or storage.nbytes() == 0:
             return
-        self._seen.add(key)
-        n = storage.nbytes()
+        self._bytes[key] = storage.nbytes()
+        self._grow(storage.nbytes())
+        weakref.finalize(storage, self._free, key)
+
+    def _grow(self, n: int) -> None:
         self.live += n
         self.peak = max(self.peak, self.live)
-        self._refs.append(weakref.finalize(storage, self._free, key, n))
 
-    def _free(self, key: int, n: int) -> None:
-        self._seen.discard(key)
-        self.live -= n
+    def _free(self, key: int) -> None:
+        self.live -= self._bytes.pop(key, 0)
+
+    def _resized(self, storage, new: int) -> None:
+        key = id(storage)
+        if key in self._bytes:
+            old = self._bytes[key]
+            self._bytes[key] = new
+            self._grow(new - old)
+        elif new:
+            self._add(storage)
 
     def baseline(self, tensors) -> None:
         """Count tensors that exist before tracking (parameters, gradients, optimizer state)."""
         for s in _storages(list(tensors)):
             self._add(s)
 
+    def ignore(self, tensors) -> None:
+        """Never count these storages (their bytes are accounted for another way)."""
+        for st in _storages(list(tensors)):
+            self._bytes.setdefault(id(st), 0)
+            self._ignored.append(st)  # keeps the id valid while tracking
+
+    def account(self, nbytes: int) -> None:
+        """Count memory that is not a tracked tensor (+ allocated, - freed), e.g. in a dry run."""
+        self._grow(nbytes)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def __enter__(self):
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage, size):
+            out = original(storage, size)
+            tracker._resized(storage, storage.nbytes())
+            return out
+
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for s in _storages(out):
             self._add(s)
         return out
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
-    def ignore(self, tensors) -> None:
-        """Never count these storages (their bytes are accounted for another way)."""
-        for st in _storages(list(tensors)):
-            self._seen.add(st.data_ptr() if st.device.type != "meta" else id(st))
-            self._refs.append(st)  # keep the id valid while tracking
-
-    def account(self, nbytes: int) -> None:
-        """Count memory that is not a tracked tensor (+ allocated, - freed), e.g. in a dry run."""
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)

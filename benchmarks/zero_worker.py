@@ -1,0 +1,154 @@
+"""The rank-side jobs of the ZeRO benchmark (run by bench_zero.py through a RankPool, not by hand).
+
+Each function runs on every rank of a gloo `RankPool` and returns plain data:
+
+- `comm_bytes`: one whole training step of the compiled model at one ZeRO
+  level, counted at meshlib's collective layer (`COUNTER`), beside the plan's
+  own data-parallel records.
+- `peak`: the peak of live tensor bytes over one forward and backward, with
+  the model state counted as the baseline, by `PeakTracker`.
+- `race`: meshlib's `parallelize(..., zero=3)` against the same model with
+  FSDP2's `fully_shard` applied by hand, from the same initial values; checks
+  both take the same first steps, then times them alternately.
+
+They live in their own module because a RankPool job pickles by qualified name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshlib import Mesh, Precision
+from meshlib_torch import COUNTER, data, models, parallelize
+from meshlib_torch.runtime import dist as mdist
+from meshlib_torch.runtime.materialize import init_full
+from meshlib_torch.runtime.memtrack import PeakTracker
+
+LOSS = "cross_entropy"  # the counter's provenance for the loss's own forward reductions
+
+
+def _init(cfg):
+    cls = models.model_class(cfg)
+    return lambda name: cls.param_init(name, cfg)
+
+
+def _build(model: str, mesh: str, batch: int, seq: int, **kw):
+    cfg, m = models.config(model), Mesh.parse(mesh)
+    example = data.batch(0, batch_size=batch, seq_len=seq)
+    precision = kw.pop("precision", "")
+    par = parallelize(
+        models.build(cfg), mesh=m, rules=models.default_rules(cfg, m), example_inputs=example, init=_init(cfg),
+        precision=Precision.parse(precision) if precision else None, **kw,
+    )  # fmt: skip
+    return par, example
+
+
+def _step(par, opt, batch) -> float:
+    loss = par(*batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+# -- (a) bytes -------------------------------------------------------------------------------
+def comm_bytes(model: str, mesh: str, zero: int, batch: int, seq: int) -> dict:
+    """Counted bytes of one step (forward, backward, update) after a warm-up step, and the plan's."""
+    par, example = _build(model, mesh, batch, seq, zero=zero)
+    opt = par.optimizer(lr=1e-3)
+    _step(par, opt, example)  # creates the optimizer state; FSDP's lazy init
+    COUNTER.reset()
+    _step(par, opt, example)
+    counted = [[ph, kind, axis, where, n] for (ph, kind, axis, where), n in COUNTER.by_source.items()]
+    planned = [[c.phase, c.kind, list(c.axes), c.op, c.total_bytes, c.group] for c in par.plan.collectives]
+    psi = sum(math.prod(par.compiled.local_param_shape(n)) for n in par.compiled.traced.params)
+    return {"counted": counted, "planned": planned, "psi": psi}
+
+
+# -- (c) peak memory ---------------------------------------------------------------------------
+def peak(model: str, mesh: str, batch: int, seq: int, zero: int, recompute: str, sp: bool) -> int:
+    """Peak live tensor bytes on this rank over one forward + backward, after one full step
+    (`PeakTracker`, which also sees FSDP2's in-place storage resizes)."""
+    par, example = _build(model, mesh, batch, seq, zero=zero, recompute=recompute, sequence_parallel=sp)
+    opt = par.optimizer(lr=1e-3)
+    _step(par, opt, example)
+    state = list(par.parameters()) + list(par.buffers()) + list(opt.master.values())
+    state += [t for s in opt.inner.state.values() for t in s.values() if torch.is_tensor(t)]
+    with PeakTracker() as tracker:
+        tracker.baseline(state)
+        par(*example).backward()
+    opt.zero_grad()
+    return tracker.peak
+
+
+# -- (d) step time against hand-written fully_shard ---------------------------------------------
+def _native(cfg, dp: int, seed: int = 0) -> torch.nn.Module:
+    """The plain model with the values meshlib builds, FSDP2 per TransformerBlock and on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = models.build(cfg, device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(init_full(name, tuple(p.shape), p.dtype, _init(cfg), seed))
+    model.init_buffers()
+    dm = mdist.device_mesh(Mesh(dp=dp))
+    for block in model.layers:
+        fully_shard(block, mesh=dm, reshard_after_forward=True)
+    fully_shard(model, mesh=dm, reshard_after_forward=True)
+    return model
+
+
+def _native_step(model, opt, tokens, targets) -> float:
+    loss = model(tokens, targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+def _global_mean(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _timed(fn, steps: int, batches) -> float:
+    """Seconds per step on the slowest rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        fn(batches[i % len(batches)])
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed) / steps
+
+
+def race(model: str, dp: int, batch: int, seq: int, rounds: int, steps: int, lr: float = 1e-3) -> dict:
+    """meshlib ZeRO-3 against hand-written fully_shard: the same first two losses, then alternated timing."""
+    torch.use_deterministic_algorithms(False)  # as under plain torchrun; the same for both sides
+    cfg = models.config(model)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    batches = [data.batch(i, batch_size=batch, seq_len=seq) for i in range(4)]
+    per = batch // n
+    local = [tuple(t[rank * per : (rank + 1) * per] for t in b) for b in batches]
+    par, _ = _build(model, f"dp={dp}", batch, seq, zero=3)
+    native = _native(cfg, dp)
+    opt_ours = par.optimizer(lr=lr)  # defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01
+    opt_native = torch.optim.AdamW(
+        native.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=False
+    )
+    ours = lambda b: _step(par, opt_ours, batches[b])  # noqa: E731
+    theirs = lambda b: _native_step(native, opt_native, *local[b])  # noqa: E731
+    # the same first step: loss before it, and loss after it (which checks the update too)
+    losses = {"ours": [ours(0), ours(1)], "native": [_global_mean(theirs(0)), _global_mean(theirs(1))]}
+    times = {"ours": [], "native": []}
+    order = [("ours", ours), ("native", theirs)]
+    for r in range(rounds):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            times[name].append(_timed(fn, steps, range(len(batches))))
+    return {"losses": losses, "times": times, "layers": cfg.n_layers, "dim": cfg.dim}
