@@ -168,18 +168,25 @@ def build(par, stage_graphs, root: nn.Module, *, schedule_name: str, microbatche
                 output_args=_example(compiled, stage_graphs.outputs[s], device), group=group,
             )  # both given: no shape-inference forward on uninitialized buffers
         )  # fmt: skip
+    sched = make_schedule(stages, core, microbatches)
+    return Pipelined(par, stage_graphs, local, modules, sched, core, group, microbatches)
+
+
+def make_schedule(stages: list[PipelineStage], core, microbatches: int, loss_fn=_loss):
+    """The torch schedule that runs this rank's `stages` as the core schedule `core` says:
+    torch's own class for GPipe, 1F1B, interleaved 1F1B and ZBV, and for ZB-H1 the core's
+    action lists on torch's schedule runtime (which adds the sends and receives)."""
     name = core.name
     if name in _TORCH:
         cls = _TORCH[name]
-        sched = cls(stages[0], microbatches, loss_fn=_loss) if name in ("gpipe", "1f1b") else cls(stages, microbatches, loss_fn=_loss)
-    else:  # zb-h1: the core's action lists on torch's runtime
-        sched = _torch_schedules._PipelineScheduleRuntime(stages, microbatches, loss_fn=_loss)
-        actions = {
-            r: [_torch_schedules._Action(a.stage, _torch_schedules._ComputationType(a.kind), a.microbatch) for a in row]
-            for r, row in enumerate(core.actions)
-        }
-        sched._prepare_schedule_with_comms(actions)
-    return Pipelined(par, stage_graphs, local, modules, sched, core, group, microbatches)
+        return cls(stages[0], microbatches, loss_fn=loss_fn) if name in ("gpipe", "1f1b") else cls(stages, microbatches, loss_fn=loss_fn)
+    sched = _torch_schedules._PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn)
+    actions = {
+        r: [_torch_schedules._Action(a.stage, _torch_schedules._ComputationType(a.kind), a.microbatch) for a in row]
+        for r, row in enumerate(core.actions)
+    }
+    sched._prepare_schedule_with_comms(actions)
+    return sched
 
 
 def _example(compiled, names: list[str], device) -> tuple:
@@ -324,4 +331,4 @@ def _plan_with_stages(plan, stages, core, layers: list[str], m: int, pp_axis: st
     )
 
 
-__all__ = ["Pipelined", "build", "parallelize_pipeline", "placement", "tied_groups"]
+__all__ = ["Pipelined", "build", "make_schedule", "parallelize_pipeline", "placement", "tied_groups"]
