@@ -104,15 +104,22 @@ def fsdp2_memory(psi: float, n: int, *, itemsize: int = 4) -> ModelState:
     return ModelState(itemsize * psi / n, itemsize * psi / n, 2 * itemsize * psi / n)
 
 
-def min_max_partition(costs: list[float], parts: int) -> list[tuple[int, int]]:
+def min_max_partition(
+    costs: list[float], parts: int, *, first: float = 0.0, last: float = 0.0
+) -> list[tuple[int, int]]:
     """Split `costs` into `parts` contiguous runs whose largest sum is as small as it can be.
 
-    Exact (dynamic programming over prefix sums, O(parts * n^2)); ties go to the
-    split that puts more items earlier. Returns `[(start, stop), ...]`.
+    `first` and `last` are fixed costs the first and the last run carry on top
+    of their items (in a pipeline: the embedding, and the head and loss), as
+    Megatron's options to account for them in the split do. Exact (dynamic
+    programming over prefix sums, O(parts * n^2)); among equal splits the one
+    that puts more items earlier wins. Returns `[(start, stop), ...]`.
 
     Example:
         >>> min_max_partition([1, 2, 3, 4, 5], 2)
         [(0, 3), (3, 5)]
+        >>> min_max_partition([1, 2, 3, 4, 5], 2, last=4)
+        [(0, 4), (4, 5)]
     """
     n = len(costs)
     if parts < 1 or parts > n:
@@ -126,9 +133,10 @@ def min_max_partition(costs: list[float], parts: int) -> list[tuple[int, int]]:
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for k in range(1, parts + 1):
+        extra = (first if k == 1 else 0.0) + (last if k == parts else 0.0)
         for i in range(k, n - (parts - k) + 1):
             for j in range(i - 1, k - 2, -1):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                value = max(best[k - 1][j], prefix[i] - prefix[j] + extra)
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     bounds, i = [], n

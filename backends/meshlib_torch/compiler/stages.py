@@ -2,9 +2,10 @@
 
 The layers (the model's longest ModuleList) are grouped into `p * v`
 contiguous stages by an exact min-max partition of a cost per layer: forward
-FLOPs from `FlopCounterMode` on the meta device, or parameter bytes. User
-split points override the cost. The embeddings go with the first stage, the
-final norm, head and loss with the last.
+FLOPs from `FlopCounterMode` on the meta device, or parameter bytes. The
+embeddings go with the first stage, the final norm, head and loss with the
+last, and the partition counts their cost there. User split points override
+the cost.
 
 Each stage becomes its own graph. A value made in one stage and used in a
 later one crosses every boundary in between (pipeline stages talk only to
@@ -40,29 +41,73 @@ class StageGraphs:
     balance: str = "flops"
 
 
-def layer_costs(model: nn.Module, layers: list[str], example_inputs: tuple, by: str = "flops") -> list[float]:
-    """Per layer: forward FLOPs on the meta device, or the bytes of its parameters."""
-    if by == "params":
-        return [float(sum(p.numel() * p.element_size() for p in model.get_submodule(path).parameters())) for path in layers]
-    if by != "flops":
+@dataclass(frozen=True)
+class LayerCosts:
+    """Cost per layer, and what the first and last stage carry besides their layers (the
+    embeddings before the first layer; the final norm, head and loss after the last)."""
+
+    layers: list[float]
+    first: float = 0.0
+    last: float = 0.0
+
+    def of(self, ranges: list[tuple[int, int]]) -> list[float]:
+        """The cost of each stage."""
+        out = [sum(self.layers[a:b]) for a, b in ranges]
+        out[0] += self.first
+        out[-1] += self.last
+        return out
+
+
+def layer_costs(model: nn.Module, layers: list[str], example_inputs: tuple, by: str = "flops") -> LayerCosts:
+    """Per layer: forward FLOPs (`FlopCounterMode`, on the meta device), or the bytes of its
+    parameters; and the same for what runs before the first layer and after the last."""
+    if by not in ("flops", "params"):
         raise ValueError(f"balance={by!r}: use 'flops' or 'params'")
     from torch.utils.flop_counter import FlopCounterMode
 
+    mods = [model.get_submodule(path) for path in layers]
+    in_layers = {id(p) for m in mods for p in m.parameters()}
     device = next(model.parameters()).device
     inputs = tuple(torch.empty_like(x, device=device) if torch.is_tensor(x) else x for x in example_inputs)
     counter = FlopCounterMode(display=False, depth=None)
-    with counter, torch.no_grad():
-        model(*inputs)
+    marks: dict[str, float] = {}
+    seen: dict[str, dict[int, torch.nn.Parameter]] = {"first": {}, "last": {}}
+
+    def outside(mod, args, out) -> None:  # a module outside the layers ran: charge its own parameters
+        where = "last" if "end" in marks else "first"
+        for q in mod.parameters(recurse=False):
+            if id(q) not in in_layers:
+                seen[where][id(q)] = q
+
+    def start(mod, args) -> None:
+        marks.setdefault("start", counter.get_total_flops())
+
+    def end(mod, args, out) -> None:
+        marks["end"] = counter.get_total_flops()
+
+    inner = {id(m) for layer in mods for m in layer.modules()}
+    hooks = [m.register_forward_hook(outside) for m in model.modules() if id(m) not in inner]
+    hooks += [mods[0].register_forward_pre_hook(start), mods[-1].register_forward_hook(end)]
+    try:
+        with counter, torch.no_grad():
+            model(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    if by == "params":
+        size = lambda ps: float(sum(q.numel() * q.element_size() for q in ps))  # noqa: E731
+        return LayerCosts([size(m.parameters()) for m in mods], size(seen["first"].values()), size(seen["last"].values()))
     counts = counter.get_flop_counts()
     root = type(model).__name__
-    return [float(sum(counts.get(f"{root}.{path}", {}).values())) for path in layers]
+    per_layer = [float(sum(counts.get(f"{root}.{path}", {}).values())) for path in layers]
+    total = float(counter.get_total_flops())
+    return LayerCosts(per_layer, float(marks.get("start", 0)), total - float(marks.get("end", total)))
 
 
-def stage_ranges(
-    costs: list[float], n_stages: int, *, split_points: list[int] | None = None
-) -> list[tuple[int, int]]:
-    """`[(start, stop), ...]` layer ranges: the user's split points, else the min-max partition."""
-    n = len(costs)
+def stage_ranges(costs: LayerCosts, n_stages: int, *, split_points: list[int] | None = None) -> list[tuple[int, int]]:
+    """`[(start, stop), ...]` layer ranges: the user's split points, else the min-max partition
+    (the first and last stage's extra cost included)."""
+    n = len(costs.layers)
     if n_stages > n:
         raise ValueError(
             f"{n_stages} pipeline stages but the model has {n} layers; each stage needs at least one. "
@@ -77,7 +122,7 @@ def stage_ranges(
             )
         edges = [0, *points, n]
         return list(zip(edges, edges[1:]))
-    return min_max_partition(costs, n_stages)
+    return min_max_partition(costs.layers, n_stages, first=costs.first, last=costs.last)
 
 
 def _stage_of_part(ranges: list[tuple[int, int]], n_layers: int):

@@ -300,7 +300,7 @@ def compile_pipeline(
         zero=zero, precision=precision, recompute=recompute, estimate_memory=estimate_memory,
     )  # fmt: skip
     stages = build_stages(compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans)
-    stages.costs = [sum(costs[a:b]) for a, b in ranges]
+    stages.costs = costs.of(ranges)
     stages.balance = balance if split_points is None else "user split points"
     compiled.plan = _plan_with_stages(compiled.plan, stages, core, layers, microbatches, pp_axis, mesh)
     return compiled, stages, core

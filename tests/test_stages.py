@@ -1,0 +1,135 @@
+"""The stage split, without processes: the exact min-max partition against brute force, the cost per
+layer against closed-form FLOPs and bytes, and the plan's stages from `compile_pipeline`.
+
+Method: `min_max_partition` is checked against an enumeration of every way to cut a short list
+(hypothesis draws the lists), with and without fixed costs on the first and last part. The
+per-layer costs come from `FlopCounterMode` on the meta device, so a stack of plain Linear
+layers, whose forward FLOPs are 2·b·in·out each, checks them exactly; what runs before the first
+layer and after the last is charged to the first and last stage.
+"""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from meshlib import Mesh, min_max_partition
+from meshlib_torch.compiler.split import layer_paths
+from meshlib_torch.compiler.stages import LayerCosts, layer_costs, stage_ranges
+from meshlib_torch.models import build, config, default_rules
+from meshlib_torch.runtime.pipeline import compile_pipeline
+
+
+def _brute_force(costs, parts, first=0.0, last=0.0):
+    """The smallest largest part over every way to cut `costs` into `parts` runs."""
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        edges = [0, *cuts, n]
+        sums = [sum(costs[a:b]) for a, b in zip(edges, edges[1:])]
+        sums[0] += first
+        sums[-1] += last
+        best = min(best, max(sums))
+    return best
+
+
+def _largest(costs, ranges, first=0.0, last=0.0):
+    return max(LayerCosts(list(costs), first, last).of(ranges))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    costs=st.lists(st.integers(0, 50), min_size=1, max_size=9),
+    parts=st.integers(1, 9),
+    first=st.integers(0, 60),
+    last=st.integers(0, 60),
+)
+def test_min_max_partition_is_optimal(costs, parts, first, last):
+    if parts > len(costs):
+        with pytest.raises(ValueError, match="cannot split"):
+            min_max_partition(costs, parts)
+        return
+    ranges = min_max_partition(costs, parts, first=first, last=last)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(costs)
+    assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in zip(ranges, ranges[1:]))
+    assert _largest(costs, ranges, first, last) == _brute_force(costs, parts, first, last)
+
+
+def test_fixed_costs_move_layers_off_the_end_stages():
+    costs = [10.0] * 8
+    assert min_max_partition(costs, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # a head as heavy as two layers: the last stage keeps one layer, the others take the rest
+    ranges = min_max_partition(costs, 4, last=20.0)
+    assert _largest(costs, ranges, last=20.0) == 30.0 and ranges[-1] == (7, 8)
+
+
+class _Uneven(nn.Module):
+    """Linear layers of different widths between an input and an output projection."""
+
+    def __init__(self, widths=(8, 32, 16, 64, 8, 8)):
+        super().__init__()
+        self.inp = nn.Linear(4, widths[0], bias=False)
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(widths, widths[1:]))
+        self.out = nn.Linear(widths[-1], 2, bias=False)
+        self.widths = widths
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h).sum()
+
+
+def test_layer_costs_are_forward_flops_with_the_ends_apart():
+    model, b = _Uneven().to("meta"), 5
+    x = torch.empty(b, 4, device="meta")
+    w = model.widths
+    costs = layer_costs(model, layer_paths(model), (x,))
+    assert costs.layers == [2.0 * b * i * o for i, o in zip(w, w[1:])]
+    assert costs.first == 2.0 * b * 4 * w[0] and costs.last == 2.0 * b * w[-1] * 2
+    by_bytes = layer_costs(model, layer_paths(model), (x,), by="params")
+    assert by_bytes.layers == [4.0 * i * o for i, o in zip(w, w[1:])]
+    assert by_bytes.first == 4.0 * 4 * w[0] and by_bytes.last == 4.0 * w[-1] * 2
+    ranges = stage_ranges(costs, 3)
+    assert max(costs.of(ranges)) == _brute_force(costs.layers, 3, costs.first, costs.last)
+
+
+def test_split_points_override_the_cost_and_are_checked():
+    costs = LayerCosts([1.0] * 6)
+    assert stage_ranges(costs, 3, split_points=[1, 5]) == [(0, 1), (1, 5), (5, 6)]
+    with pytest.raises(ValueError, match=r"split points \[1, 6\] must be 2 distinct layer indices in 1..5"):
+        stage_ranges(costs, 3, split_points=[1, 6])
+    with pytest.raises(ValueError, match="7 pipeline stages but the model has 6 layers"):
+        stage_ranges(costs, 7)
+
+
+def _pipeline(**kw):
+    cfg = config("llama-tiny") if "cfg" not in kw else kw.pop("cfg")
+    mesh = Mesh.parse(kw.pop("mesh", "pp=2"))
+    x = torch.empty(8, 16, dtype=torch.long, device="meta")
+    return compile_pipeline(build(cfg), mesh=mesh, rules=default_rules(cfg, mesh), example_inputs=(x, x), **kw)
+
+
+def test_plan_stages_carry_the_min_max_split_and_its_costs():
+    cfg = config("llama-tiny", n_layers=6)
+    compiled, stages, core = _pipeline(cfg=cfg, microbatches=4, schedule="1f1b", mesh="pp=3")
+    model = build(cfg)
+    micro = torch.empty(2, 16, dtype=torch.long, device="meta")
+    costs = layer_costs(model, layer_paths(model), (micro, micro))
+    plan = compiled.plan
+    assert [s.cost for s in plan.stages] == costs.of(stages.layers)
+    assert max(s.cost for s in plan.stages) == _brute_force(costs.layers, 3, costs.first, costs.last)
+    assert [s.rank for s in plan.stages] == [0, 1, 2] and core.name == "1f1b"
+    assert [m for s in plan.stages for m in s.modules] == [f"layers.{i}" for i in range(6)]
+    assert plan.note_map["stage split"] == "by layer FQN on the fx graph, balanced by flops"
+
+
+def test_user_split_points_are_recorded_in_the_plan():
+    cfg = config("llama-tiny", n_layers=4)
+    compiled, stages, _ = _pipeline(cfg=cfg, microbatches=2, split_points=[3])
+    assert stages.layers == [(0, 3), (3, 4)]
+    assert [s.modules for s in compiled.plan.stages] == [("layers.0", "layers.1", "layers.2"), ("layers.3",)]
+    assert compiled.plan.note_map["stage split"].endswith("balanced by user split points")
