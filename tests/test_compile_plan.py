@@ -120,3 +120,16 @@ def test_less_common_ops_stay_sharded_on_heads():
     plan = _compile("ops-tiny", Mesh(tp=4)).plan
     assert {(c.phase, c.kind) for c in plan.collectives} == {("forward", "all_reduce"), ("backward", "all_reduce")}
     assert _count(plan, "forward", "all_reduce", "tp", B * T * 32 * 4) == 2  # embedding, proj
+
+
+def test_precision_is_given_as_text_or_a_precision():
+    model = build("llama-tiny")
+    x = torch.zeros(B, T, dtype=torch.long, device="meta")
+    mesh = Mesh(dp=2)
+    plan = compile_model(model, mesh=mesh, rules=default_rules("llama-tiny", mesh), example_inputs=(x, x), precision="bf16").plan
+    assert (plan.precision.param, plan.precision.reduce, plan.precision.output) == ("bfloat16", "float32", "float32")
+    assert plan.memory.params == 2 * sum(p.numel() for p in model.parameters())  # bf16 copies, whole on each dp rank
+    with pytest.raises(ValueError, match=r"precision 'bf17': use one of"):
+        compile_model(model, mesh=mesh, rules=default_rules("llama-tiny", mesh), example_inputs=(x, x), precision="bf17")
+    with pytest.raises(TypeError, match=r"pass a meshlib.Precision, or text such as 'bf16'"):
+        compile_model(model, mesh=mesh, rules=default_rules("llama-tiny", mesh), example_inputs=(x, x), precision=torch.bfloat16)

@@ -97,7 +97,7 @@ def compile_model(
     tp_axis: str = "tp",
     seq_dim: int = 1,
     zero: int | str = 0,
-    precision: Precision | None = None,
+    precision: Precision | str | None = None,
     recompute: str = "none",
     replicate_axes: tuple[str, ...] = (),
     estimate_memory: bool = False,
@@ -108,7 +108,12 @@ def compile_model(
     Gradients are summed over them once per step by the runtime, by `zero`
     level: 0 all-reduces them, 1 reduce-scatters them into a sharded optimizer,
     2 and 3 hand the axes to FSDP2 (`replicate_axes` makes that HSDP).
+    `precision` is a `Precision` or its text (`"bf16"`, `"param=bf16,reduce=fp32"`).
     """
+    if isinstance(precision, str):
+        precision = Precision.parse(precision)
+    elif precision is not None and not isinstance(precision, Precision):
+        raise TypeError(f"precision={precision!r}: pass a meshlib.Precision, or text such as 'bf16' or 'param=bf16,reduce=fp32'")
     if precision is None:  # compute, reduce and output in the model's own dtype
         own = str(next(model.parameters()).dtype).removeprefix("torch.")
         precision = Precision(own, own, own)

@@ -166,7 +166,7 @@ def parallelize(
     sequence_parallel: bool = False,
     in_specs=None,
     zero: int | str = 0,
-    precision: Precision | None = None,
+    precision: Precision | str | None = None,
     recompute: str = "none",
     replicate_axes: tuple[str, ...] = (),
     offload: bool = False,
