@@ -111,15 +111,20 @@ def min_max_partition(
 
     `first` and `last` are fixed costs the first and the last run carry on top
     of their items (in a pipeline: the embedding, and the head and loss), as
-    Megatron's options to account for them in the split do. Exact (dynamic
-    programming over prefix sums, O(parts * n^2)); among equal splits the one
-    that puts more items earlier wins. Returns `[(start, stop), ...]`.
+    Megatron's options to account for them in the split do. Among the splits
+    with the smallest largest run, the most even one wins (the least sum of
+    squares), so runs below the bottleneck are not left nearly empty: with
+    several stages per rank that keeps the ranks' totals even too. Exact
+    (two dynamic programs over prefix sums, O(parts * n^2)). Returns
+    `[(start, stop), ...]`.
 
     Example:
         >>> min_max_partition([1, 2, 3, 4, 5], 2)
         [(0, 3), (3, 5)]
         >>> min_max_partition([1, 2, 3, 4, 5], 2, last=4)
         [(0, 4), (4, 5)]
+        >>> min_max_partition([1] * 10, 4)  # not 3, 3, 3, 1
+        [(0, 3), (3, 6), (6, 8), (8, 10)]
     """
     n = len(costs)
     if parts < 1 or parts > n:
@@ -127,16 +132,27 @@ def min_max_partition(
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
+    extra = [(first if k == 1 else 0.0) + (last if k == parts else 0.0) for k in range(parts + 1)]
+    run = lambda k, j, i: prefix[i] - prefix[j] + extra[k]  # noqa: E731 - part k holds items j..i-1
+    bottleneck = _best_split(n, parts, lambda k, j, i, before: max(before, run(k, j, i)))[0]
+    cap = bottleneck * (1 + 1e-12) + 1e-300
+    even = lambda k, j, i, before: before + run(k, j, i) ** 2 if run(k, j, i) <= cap else float("inf")  # noqa: E731
+    return _best_split(n, parts, even)[1]
+
+
+def _best_split(n: int, parts: int, combine) -> tuple[float, list[tuple[int, int]]]:
+    """The split of n items into `parts` runs minimizing `combine`d run values (a DP over where
+    each run ends; `combine(k, j, i, best_before)` scores run k over items j..i-1)."""
     inf = float("inf")
-    # best[k][i]: the smallest possible largest part when the first i items form k parts
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for k in range(1, parts + 1):
-        extra = (first if k == 1 else 0.0) + (last if k == parts else 0.0)
         for i in range(k, n - (parts - k) + 1):
             for j in range(i - 1, k - 2, -1):
-                value = max(best[k - 1][j], prefix[i] - prefix[j] + extra)
+                if best[k - 1][j] == inf:
+                    continue
+                value = combine(k, j, i, best[k - 1][j])
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     bounds, i = [], n
@@ -144,4 +160,4 @@ def min_max_partition(
         j = cut[k][i]
         bounds.append((j, i))
         i = j
-    return bounds[::-1]
+    return best[parts][n], bounds[::-1]

@@ -2,7 +2,8 @@
 layer against closed-form FLOPs and bytes, and the plan's stages from `compile_pipeline`.
 
 Method: `min_max_partition` is checked against an enumeration of every way to cut a short list
-(hypothesis draws the lists), with and without fixed costs on the first and last part. The
+(hypothesis draws the lists), with and without fixed costs on the first and last part, and
+the most even of the optimal splits (least sum of squares) is the one returned. The
 per-layer costs come from `FlopCounterMode` on the meta device, so a stack of plain Linear
 layers, whose forward FLOPs are 2·b·in·out each, checks them exactly; what runs before the first
 layer and after the last is charged to the first and last stage.
@@ -23,17 +24,18 @@ from meshlib_torch.models import build, config, default_rules
 from meshlib_torch.runtime.pipeline import compile_pipeline
 
 
-def _brute_force(costs, parts, first=0.0, last=0.0):
-    """The smallest largest part over every way to cut `costs` into `parts` runs."""
+def _brute_force(costs, parts, first=0.0, last=0.0, *, even=False):
+    """The smallest largest part over every way to cut `costs` into `parts` runs (with `even`:
+    and the least sum of squares among the splits that reach it)."""
     n = len(costs)
-    best = float("inf")
+    best = (float("inf"), float("inf"))
     for cuts in itertools.combinations(range(1, n), parts - 1):
         edges = [0, *cuts, n]
-        sums = [sum(costs[a:b]) for a, b in zip(edges, edges[1:])]
+        sums = [sum(costs[a:b]) for a, b in itertools.pairwise(edges)]
         sums[0] += first
         sums[-1] += last
-        best = min(best, max(sums))
-    return best
+        best = min(best, (max(sums), sum(x * x for x in sums)))
+    return best if even else best[0]
 
 
 def _largest(costs, ranges, first=0.0, last=0.0):
@@ -54,13 +56,16 @@ def test_min_max_partition_is_optimal(costs, parts, first, last):
         return
     ranges = min_max_partition(costs, parts, first=first, last=last)
     assert ranges[0][0] == 0 and ranges[-1][1] == len(costs)
-    assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in zip(ranges, ranges[1:]))
-    assert _largest(costs, ranges, first, last) == _brute_force(costs, parts, first, last)
+    assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in itertools.pairwise(ranges))
+    sums = LayerCosts(list(costs), first, last).of(ranges)
+    assert (max(sums), sum(x * x for x in sums)) == _brute_force(costs, parts, first, last, even=True)
 
 
 def test_fixed_costs_move_layers_off_the_end_stages():
     costs = [10.0] * 8
     assert min_max_partition(costs, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # 10 equal layers on 4 stages: 3, 3, 2, 2 (some order), never 3, 3, 3, 1
+    assert sorted(b - a for a, b in min_max_partition([1.0] * 10, 4)) == [2, 2, 3, 3]
     # a head as heavy as two layers: the last stage keeps one layer, the others take the rest
     ranges = min_max_partition(costs, 4, last=20.0)
     assert _largest(costs, ranges, last=20.0) == 30.0 and ranges[-1] == (7, 8)
@@ -72,7 +77,7 @@ class _Uneven(nn.Module):
     def __init__(self, widths=(8, 32, 16, 64, 8, 8)):
         super().__init__()
         self.inp = nn.Linear(4, widths[0], bias=False)
-        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(widths, widths[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in itertools.pairwise(widths))
         self.out = nn.Linear(widths[-1], 2, bias=False)
         self.widths = widths
 
@@ -88,10 +93,10 @@ def test_layer_costs_are_forward_flops_with_the_ends_apart():
     x = torch.empty(b, 4, device="meta")
     w = model.widths
     costs = layer_costs(model, layer_paths(model), (x,))
-    assert costs.layers == [2.0 * b * i * o for i, o in zip(w, w[1:])]
+    assert costs.layers == [2.0 * b * i * o for i, o in itertools.pairwise(w)]
     assert costs.first == 2.0 * b * 4 * w[0] and costs.last == 2.0 * b * w[-1] * 2
     by_bytes = layer_costs(model, layer_paths(model), (x,), by="params")
-    assert by_bytes.layers == [4.0 * i * o for i, o in zip(w, w[1:])]
+    assert by_bytes.layers == [4.0 * i * o for i, o in itertools.pairwise(w)]
     assert by_bytes.first == 4.0 * 4 * w[0] and by_bytes.last == 4.0 * w[-1] * 2
     ranges = stage_ranges(costs, 3)
     assert max(costs.of(ranges)) == _brute_force(costs.layers, 3, costs.first, costs.last)
