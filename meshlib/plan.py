@@ -76,7 +76,14 @@ class Boundary:
 
 @dataclass(frozen=True, slots=True)
 class Stage:
-    """One pipeline stage (or chunk, when interleaved): what runs there and what it sends on."""
+    """One pipeline stage (or chunk, when interleaved): what runs there and what it sends on.
+
+    `modules` are the layers the stage holds (the first stage also runs what comes before the
+    layers, the last what comes after). `cost` is what the split balanced, as the plan's
+    "stage split" note says: forward FLOPs of one whole microbatch (all data-parallel ranks
+    together), or parameter bytes; the embedding, head and loss count on the end stages.
+    `sends` are the values crossing to the next stage, per microbatch and per rank.
+    """
 
     index: int
     rank: int  # pp coordinate that runs it
