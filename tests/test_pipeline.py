@@ -46,6 +46,12 @@ def test_schedules_at_pp4(sched, layers):
     _check(model="llama-tiny", mesh="pp=4", microbatches=4, schedule=sched, overrides={"n_layers": layers})
 
 
+def test_zbv_with_a_tied_embedding_on_both_stages_of_one_rank():
+    """ZBV puts the first and the last stage on rank 0, so the GPT's tied embedding is in two of
+    its stages; its gradient is averaged over the microbatches once, not once per stage."""
+    _check(model="gpt-tiny", mesh="pp=2", microbatches=4, schedule="zbv", overrides={"n_layer": 4})
+
+
 def test_pp_with_dp_and_tied_embeddings_across_stages():
     """The GPT ties its input and output embeddings: first and last stage each hold a copy."""
     _check(model="gpt-tiny", mesh="pp=2,dp=2", microbatches=2, schedule="1f1b")

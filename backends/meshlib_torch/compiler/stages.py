@@ -44,11 +44,16 @@ class StageGraphs:
 @dataclass(frozen=True)
 class LayerCosts:
     """Cost per layer, and what the first and last stage carry besides their layers (the
-    embeddings before the first layer; the final norm, head and loss after the last)."""
+    embeddings before the first layer; the final norm, head and loss after the last).
+
+    `before` and `after` name the outermost modules that ran entirely before the first
+    layer and entirely after the last one (every call), for the split by module FQN."""
 
     layers: list[float]
     first: float = 0.0
     last: float = 0.0
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
 
     def of(self, ranges: list[tuple[int, int]]) -> list[float]:
         """The cost of each stage."""
@@ -72,12 +77,23 @@ def layer_costs(model: nn.Module, layers: list[str], example_inputs: tuple, by: 
     counter = FlopCounterMode(display=False, depth=None)
     marks: dict[str, float] = {}
     seen: dict[str, dict[int, torch.nn.Parameter]] = {"first": {}, "last": {}}
+    when: dict[str, set[str]] = {}  # module FQN -> when its calls began and ended: "before", "during", "after"
 
-    def outside(mod, args, out) -> None:  # a module outside the layers ran: charge its own parameters
-        where = "last" if "end" in marks else "first"
-        for q in mod.parameters(recurse=False):
-            if id(q) not in in_layers:
-                seen[where][id(q)] = q
+    def now() -> str:
+        return "after" if "end" in marks else "during" if "start" in marks else "before"
+
+    def outside(name: str):
+        def enter(mod, args) -> None:
+            when.setdefault(name, set()).add(now())
+
+        def leave(mod, args, out) -> None:  # a module outside the layers ran: charge its own parameters
+            when[name].add(now())
+            where = "last" if "end" in marks else "first"
+            for q in mod.parameters(recurse=False):
+                if id(q) not in in_layers:
+                    seen[where][id(q)] = q
+
+        return enter, leave
 
     def start(mod, args) -> None:
         marks.setdefault("start", counter.get_total_flops())
@@ -86,7 +102,11 @@ def layer_costs(model: nn.Module, layers: list[str], example_inputs: tuple, by: 
         marks["end"] = counter.get_total_flops()
 
     inner = {id(m) for layer in mods for m in layer.modules()}
-    hooks = [m.register_forward_hook(outside) for m in model.modules() if id(m) not in inner]
+    hooks = []
+    for name, m in model.named_modules():
+        if id(m) not in inner:
+            enter, leave = outside(name)
+            hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
     hooks += [mods[0].register_forward_pre_hook(start), mods[-1].register_forward_hook(end)]
     try:
         with counter, torch.no_grad():
@@ -94,14 +114,22 @@ def layer_costs(model: nn.Module, layers: list[str], example_inputs: tuple, by: 
     finally:
         for h in hooks:
             h.remove()
+    before, after = _outermost(when, "before"), _outermost(when, "after")
     if by == "params":
         size = lambda ps: float(sum(q.numel() * q.element_size() for q in ps))  # noqa: E731
-        return LayerCosts([size(m.parameters()) for m in mods], size(seen["first"].values()), size(seen["last"].values()))
+        firsts, lasts = size(seen["first"].values()), size(seen["last"].values())
+        return LayerCosts([size(m.parameters()) for m in mods], firsts, lasts, before, after)
     counts = counter.get_flop_counts()
     root = type(model).__name__
     per_layer = [float(sum(counts.get(f"{root}.{path}", {}).values())) for path in layers]
     total = float(counter.get_total_flops())
-    return LayerCosts(per_layer, float(marks.get("start", 0)), total - float(marks.get("end", total)))
+    return LayerCosts(per_layer, float(marks.get("start", 0)), total - float(marks.get("end", total)), before, after)
+
+
+def _outermost(when: dict[str, set[str]], phase: str) -> tuple[str, ...]:
+    """FQNs of the modules whose every call began and ended in `phase`, without their submodules."""
+    names = [n for n, phases in when.items() if n and phases == {phase}]
+    return tuple(n for n in names if not any(n.startswith(f"{o}.") for o in names))
 
 
 def stage_ranges(costs: LayerCosts, n_stages: int, *, split_points: list[int] | None = None) -> list[tuple[int, int]]:

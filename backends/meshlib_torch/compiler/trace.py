@@ -2,7 +2,8 @@
 
 torch.fx's symbolic tracer is tried first; where it fails (data-dependent
 control flow, an `assert` on a traced value, ...) torch.export takes over and
-the plan records which path was used and why.
+the plan records which path was used and why. When both fail, `trace` raises
+`Untraceable` with both reasons.
 
 The graph is then normalized so that later passes see one vocabulary:
 - leaf modules (Linear, Embedding, LayerNorm, RMSNorm, activations, Dropout)
@@ -80,8 +81,11 @@ def trace(model: nn.Module, example_inputs: tuple, /) -> Traced:
         gm = fx.GraphModule(model, graph)
         path, reason = "fx", ""
     except Exception as err:  # noqa: BLE001 - any tracer failure means: try export
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}{_where(err)}"
-        gm = _export(model, example_inputs)
+        reason = _reason(err)
+        try:
+            gm = _export(model, example_inputs)
+        except Exception as export_err:  # noqa: BLE001 - both paths failed: say why, once each
+            raise Untraceable(reason, _reason(export_err)) from export_err
         path = "export"
     _inline_leaf_modules(gm, model)
     _canonicalize_attrs(gm, aliases)
@@ -90,6 +94,26 @@ def trace(model: nn.Module, example_inputs: tuple, /) -> Traced:
     gm.recompile()
     annotate_values(gm, example_inputs)
     return Traced(gm, path, reason, canon, aliases)
+
+
+class Untraceable(ValueError):
+    """Neither torch.fx nor torch.export could trace the model; `fx` and `export` say why (one line each).
+
+    A pipeline then splits the eager model by module FQN instead (see `fqn_split`).
+    """
+
+    def __init__(self, fx: str, export: str):
+        self.fx, self.export = fx, export
+        super().__init__(
+            f"the model cannot be traced.\n  fx: {fx}\n  torch.export: {export}\nFix: make its forward traceable "
+            "(no Python branches on tensor values or data pointers, no calls torch.export cannot follow); a pipeline "
+            "over a mesh with only dp and pp cuts the eager model into stages instead"
+        )
+
+
+def _reason(err: BaseException) -> str:
+    """`Type: first line of the message at file.py:LINE`."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}{_where(err)}"
 
 
 def _where(err: BaseException) -> str:

@@ -9,6 +9,10 @@ runtime, which lowers them to sends and receives. The loss is computed on the
 last stage and every rank gets the step's mean; gradients are summed over
 the data-parallel axes once all microbatches are in, and a parameter two
 stages share (tied embeddings) has its gradient summed between them.
+
+A model that neither fx nor torch.export can trace is cut by module FQN on
+the eager model instead (`compiler.fqn_split`, built by `eager_stages`); the
+same schedules, gradient sync and `Pipelined` run it, and the plan says so.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining import schedules as _torch_schedules
 
+from ..compiler.fqn_split import EagerStages
 from ..compiler.shapes import local_shape
 from .comm import COUNTER
 
@@ -41,7 +46,12 @@ def _loss(output, target):
 
 
 class Pipelined(nn.Module):
-    """This pp rank's stages of a compiled model, and the schedule that runs them."""
+    """This pp rank's stages of a compiled model, and the schedule that runs them.
+
+    `stage_graphs` is a `StageGraphs` or an `EagerStages` (only its `params` are read here).
+    `grad_divisor`: when the schedule leaves the gradients summed over the microbatches
+    (`make_schedule(..., scale_grads=False)`), each parameter's is divided once by it here.
+    """
 
     def __init__(self, par, stage_graphs, local: list[int], modules: list[nn.Module], sched, core, pp_group, microbatches):
         super().__init__()
@@ -49,7 +59,8 @@ class Pipelined(nn.Module):
         self.stage_modules = nn.ModuleList(modules)
         self.schedule, self.pp_group, self.microbatches = sched, pp_group, microbatches
         self.tied_groups: list[tuple[set[str], object]] = []
-        n = len(stage_graphs.graphs)
+        self.grad_divisor = 1
+        n = len(stage_graphs.params)
         self.first, self.last = 0 in local, (n - 1) in local
         self.last_rank = dist.get_global_rank(pp_group, core.placement[n - 1])
 
@@ -115,6 +126,10 @@ class Pipelined(nn.Module):
             self.schedule.step(target=torch.zeros(local[0].shape[0]), losses=losses, return_outputs=False)
         else:
             self.schedule.step(return_outputs=False)
+        if self.grad_divisor != 1:  # once per parameter, however many local stages hold it
+            for p in self.named_model_parameters().values():
+                if p.grad is not None:
+                    p.grad.div_(self.grad_divisor)
         self.sync_gradients()
         self.last_grad_norm = self.grad_norm()
         value = torch.stack([x.detach().to(torch.float64) for x in losses]).mean() if losses else torch.zeros((), dtype=torch.float64)
@@ -168,19 +183,25 @@ def build(par, stage_graphs, root: nn.Module, *, schedule_name: str, microbatche
                 output_args=_example(compiled, stage_graphs.outputs[s], device), group=group,
             )  # both given: no shape-inference forward on uninitialized buffers
         )  # fmt: skip
-    sched = make_schedule(stages, core, microbatches)
-    return Pipelined(par, stage_graphs, local, modules, sched, core, group, microbatches)
+    sched = make_schedule(stages, core, microbatches, scale_grads=False)  # a tied parameter on two local stages
+    pipe = Pipelined(par, stage_graphs, local, modules, sched, core, group, microbatches)
+    pipe.grad_divisor = microbatches
+    return pipe
 
 
-def make_schedule(stages: list[PipelineStage], core, microbatches: int, loss_fn=_loss):
+def make_schedule(stages: list[PipelineStage], core, microbatches: int, loss_fn=_loss, *, scale_grads: bool = True):
     """The torch schedule that runs this rank's `stages` as the core schedule `core` says:
     torch's own class for GPipe, 1F1B, interleaved 1F1B and ZBV, and for ZB-H1 the core's
-    action lists on torch's schedule runtime (which adds the sends and receives)."""
+    action lists on torch's schedule runtime (which adds the sends and receives).
+
+    `scale_grads=False` leaves the gradients summed over the microbatches (torch divides them
+    per stage, so a parameter two stages of one rank share would be divided twice)."""
     name = core.name
+    kw = dict(loss_fn=loss_fn, scale_grads=scale_grads)
     if name in _TORCH:
         cls = _TORCH[name]
-        return cls(stages[0], microbatches, loss_fn=loss_fn) if name in ("gpipe", "1f1b") else cls(stages, microbatches, loss_fn=loss_fn)
-    sched = _torch_schedules._PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn)
+        return cls(stages[0], microbatches, **kw) if name in ("gpipe", "1f1b") else cls(stages, microbatches, **kw)
+    sched = _torch_schedules._PipelineScheduleRuntime(stages, microbatches, **kw)
     actions = {
         r: [_torch_schedules._Action(a.stage, _torch_schedules._ComputationType(a.kind), a.microbatch) for a in row]
         for r, row in enumerate(core.actions)
@@ -237,7 +258,6 @@ def parallelize_pipeline(
 ) -> Pipelined:
     """`parallelize` for a mesh with a pipeline axis (call on every rank; every check comes first)."""
     from . import dist as mdist
-    from .optim import GradSync
     from .parallel import Parallel, _cast_params, _dtype, _retarget_devices, lower
 
     compiled, stages, core = compile_pipeline(
@@ -245,6 +265,13 @@ def parallelize_pipeline(
         in_specs=in_specs, zero=zero, precision=precision, recompute=recompute, microbatches=microbatches,
         schedule=schedule, chunks=chunks, pp_axis=pp_axis, split_points=split_points, balance=balance,
     )  # fmt: skip
+    if isinstance(stages, EagerStages):
+        from .eager_stages import build_eager
+
+        return build_eager(
+            model, compiled, stages, core, init=init, seed=seed, microbatches=microbatches, pp_axis=pp_axis,
+            timeout=timeout,
+        )  # fmt: skip
     name, n_stages = core.name, len(stages.graphs)
     dm = mdist.device_mesh(mesh, timeout=timeout)
     pp_rank = mesh.coords(dist.get_rank())[pp_axis]
@@ -258,12 +285,23 @@ def parallelize_pipeline(
         par.fp32_init = _cast_params(root, compute)
     device = next((b.device for b in root.buffers()), torch.device("cpu"))
     stages.graphs = [_retarget_devices(g, device) for g in stages.graphs]
-    if opts.zero == 0 and compiled.data_axes:
-        synced = {n: q for n, q in par.named_model_parameters().items() if n in compiled.synced_params}
-        par.grad_sync = GradSync(synced, mdist.group(dm, compiled.data_axes), "_".join(compiled.data_axes), _dtype(opts.precision.reduce))
+    data_grad_sync(par, dm)
     pipe = build(par, stages, root, schedule_name=name, microbatches=microbatches, v=core.v, pp_axis=pp_axis, dm=dm, device=device)
     pipe.tied_groups = tied_groups(stages, core, compiled, pp_axis)
     return pipe
+
+
+def data_grad_sync(par, dm) -> None:
+    """ZeRO-0 over the data axes: sum the gradients that are partial sums over them (`GradSync`)."""
+    from . import dist as mdist
+    from .optim import GradSync
+    from .parallel import _dtype
+
+    compiled = par.compiled
+    if compiled.options.zero == 0 and compiled.data_axes:
+        synced = {n: q for n, q in par.named_model_parameters().items() if n in compiled.synced_params}
+        group = mdist.group(dm, compiled.data_axes)
+        par.grad_sync = GradSync(synced, group, "_".join(compiled.data_axes), _dtype(compiled.options.precision.reduce))
 
 
 def compile_pipeline(
@@ -273,12 +311,17 @@ def compile_pipeline(
     estimate_memory: bool = False,
 ):
     """The pure part of pipelining (no processes): checks, the compiled microbatch graph, its stages,
-    the schedule, and the plan with both. `meshlib plan` uses it as it is."""
+    the schedule, and the plan with both. `meshlib plan` uses it as it is.
+
+    A model neither fx nor torch.export can trace is split by module FQN on the eager model
+    (`EagerStages`, and a `Compiled` without a graph); the plan's notes say so, with both reasons."""
     from meshlib.cost import zero_level
 
     from ..compiler.compile import compile_model
+    from ..compiler.fqn_split import split_eager
     from ..compiler.split import layer_paths
     from ..compiler.stages import build_stages, layer_costs, stage_ranges
+    from ..compiler.trace import Untraceable
 
     name, v = _schedule_name(schedule, chunks)
     p = mesh.axis_size(pp_axis)
@@ -295,14 +338,24 @@ def compile_pipeline(
     layers = layer_paths(model)
     costs = layer_costs(model, layers, micro, by=balance)
     ranges = stage_ranges(costs, p * core.v, split_points=split_points)
-    compiled = compile_model(
-        model, mesh=mesh, rules=rules, example_inputs=micro, in_specs=in_specs, sequence_parallel=sequence_parallel,
-        zero=zero, precision=precision, recompute=recompute, estimate_memory=estimate_memory,
-    )  # fmt: skip
-    stages = build_stages(compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans)
+    try:
+        compiled = compile_model(
+            model, mesh=mesh, rules=rules, example_inputs=micro, in_specs=in_specs, sequence_parallel=sequence_parallel,
+            zero=zero, precision=precision, recompute=recompute, estimate_memory=estimate_memory,
+        )  # fmt: skip
+    except Untraceable as reason:
+        compiled, stages = split_eager(
+            model, reason=reason, mesh=mesh, example_inputs=micro, layers=layers, ranges=ranges, costs=costs,
+            in_specs=in_specs, zero=zero, precision=precision, recompute=recompute,
+            sequence_parallel=sequence_parallel, pp_axis=pp_axis, microbatches=microbatches,
+        )  # fmt: skip
+        split = "by module FQN on the eager model"
+    else:
+        stages = build_stages(compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans)
+        split = f"by layer FQN on the {compiled.traced.path} graph"
     stages.costs = costs.of(ranges)
     stages.balance = balance if split_points is None else "user split points"
-    compiled.plan = _plan_with_stages(compiled.plan, stages, core, layers, microbatches, pp_axis, mesh)
+    compiled.plan = _plan_with_stages(compiled.plan, stages, core, layers, microbatches, pp_axis, split)
     return compiled, stages, core
 
 
@@ -312,7 +365,7 @@ def _schedule_name(schedule: str, chunks: int | None) -> tuple[str, int | None]:
     return _resolve(schedule, chunks)
 
 
-def _plan_with_stages(plan, stages, core, layers: list[str], m: int, pp_axis: str, mesh):
+def _plan_with_stages(plan, stages, core, layers: list[str], m: int, pp_axis: str, split: str):
     """The plan's stages (layers, cost, what each sends per microbatch) and its pipeline traffic."""
     from meshlib import Collective, Stage
 
@@ -325,7 +378,7 @@ def _plan_with_stages(plan, stages, core, layers: list[str], m: int, pp_axis: st
             records.append(Collective("send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s} -> {s + 1}", "forward", m, 2))
             if bnd.dtype.startswith(("float", "bfloat")):
                 records.append(Collective("send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s + 1} -> {s}", "backward", m, 2))
-    notes = dict(plan.notes) | {"stage split": f"by layer FQN on the {dict(plan.notes)['trace']} graph, balanced by {stages.balance}"}
+    notes = dict(plan.notes) | {"stage split": f"{split}, balanced by {stages.balance}"}
     return plan.replace(
         stages=tuple(out), schedule=core.name, microbatches=m, collectives=plan.collectives + tuple(records), notes=tuple(notes.items())
     )

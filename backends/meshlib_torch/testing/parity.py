@@ -51,6 +51,7 @@ class RunConfig:
     offload: bool = False
     schedule: str = "1f1b"  # with a pp axis in the mesh
     chunks: int | None = None
+    model_class: type | None = None  # built instead of the bundled model's class (same config), e.g. a test's variant
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -75,9 +76,16 @@ class RunResult:
     comm: dict | None = None
 
 
-def _init(cfg):
-    model_cls = models.model_class(cfg)
+def _init(cfg, run: RunConfig | None = None):
+    model_cls = (run and run.model_class) or models.model_class(cfg)
     return lambda name: model_cls.param_init(name, cfg)
+
+
+def _build(run: RunConfig, cfg, *, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    if run.model_class is None:
+        return models.build(cfg, device=device, dtype=dtype)
+    with torch.device(device):
+        return run.model_class(cfg).to(dtype)
 
 
 def _optimizer(params, lr: float):
@@ -93,8 +101,8 @@ def train_reference(run: RunConfig) -> RunResult:
     """
     cfg = models.config(run.model, **run.overrides)
     compute = run.compute_dtype
-    model = models.build(cfg, device="cpu", dtype=compute)
-    init = _init(cfg)
+    model = _build(run, cfg, device="cpu", dtype=compute)
+    init = _init(cfg, run)
     masters = {n: init_full(n, tuple(p.shape), run.torch_dtype, init, run.seed) for n, p in model.named_parameters()}
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -135,7 +143,7 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
 
     cfg = models.config(run.model, **run.overrides)
     mesh = Mesh.parse(run.mesh)
-    meta = models.build(cfg, device="meta", dtype=run.torch_dtype)
+    meta = _build(run, cfg, device="meta", dtype=run.torch_dtype)
     example = data.batch(0, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
     pipelined = "pp" in mesh and mesh.axis_size("pp") > 1
     par = parallelize(
@@ -143,7 +151,7 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
         mesh=mesh,
         rules=models.default_rules(cfg, mesh),
         example_inputs=example if pipelined else _microbatch(example, 0, run.microbatches),
-        init=_init(cfg),
+        init=_init(cfg, run),
         seed=run.seed,
         sequence_parallel=run.sequence_parallel,
         zero=run.zero,
@@ -187,7 +195,7 @@ def _train_pipelined(run: RunConfig, pipe, opt, progress: bool) -> RunResult:
             bar.step(step, losses[-1], norms[-1])
     mine = {n: _full(p) for n, p in pipe.named_model_parameters().items()}
     if opt.master:
-        mine.update({n: m.full_tensor().detach().clone() for n, m in opt.master.items() if n in mine})
+        mine.update({n: _full(m) for n, m in opt.master.items() if n in mine})
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     params = {}
