@@ -51,3 +51,23 @@ def test_main_job_under_torchrun():
     assert "parallel run vs single-process reference" in out
     diffs = dict(re.findall(r"(loss \(every step\)|parameters after 3 steps) +│? *([0-9.e+-]+)", out))
     assert diffs and all(float(v) < 1e-12 for v in diffs.values()), out
+
+
+def test_meshlib_plan_pipeline_with_split_points_and_zero(tmp_path):
+    """A pp mesh with user split points: the plan's stages hold exactly those layers, and the
+    interleaved schedule's 4 stages are placed round-robin."""
+    out = _run(
+        [sys.executable, "-m", "meshlib", "plan", "--model", "llama-small", "--mesh", "dp=2,pp=2", "--batch", "8",
+         "--microbatches", "4", "--schedule", "ScheduleInterleaved1F1B", "--chunks", "2", "--split-points", "1,2,3",
+         "--zero", "1", "--json", str(tmp_path / "p.json")]
+    )  # fmt: skip
+    assert "pipeline stages" in out and "balanced by user split points" in out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert [s["modules"] for s in plan["stages"]] == [["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]
+    assert [s["rank"] for s in plan["stages"]] == [0, 1, 0, 1]
+    assert plan["schedule"] == "interleaved-1f1b" and plan["microbatches"] == 4 and plan["zero"] == 1
+    bad = subprocess.run(
+        [sys.executable, "-m", "meshlib", "plan", "--model", "llama-small", "--mesh", "pp=2", "--microbatches", "2", "--split-points", "9"],
+        capture_output=True, text=True, env=ENV,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "split points [9] must be 1 distinct layer indices in 1..3" in bad.stderr

@@ -40,6 +40,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv (any case; torch's class names too)",
     )  # fmt: skip
     p.add_argument("--chunks", type=int, default=None, help="pipeline stages per rank (interleaved schedules)")
+    p.add_argument("--split-points", default=None, help="layers where pipeline stages 2, 3, ... begin, e.g. 4,9,14")
+    p.add_argument("--balance", default="flops", choices=["flops", "params"], help="pipeline stage cost to balance")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,8 +94,9 @@ def plan_main(args) -> Plan:
         from .runtime.pipeline import compile_pipeline
 
         compiled, _, _ = compile_pipeline(
-            model, **common, microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks
-        )
+            model, **common, microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
+            split_points=_split_points(args), balance=args.balance,
+        )  # fmt: skip
     else:
         compiled = compile_model(model, **common)
     plan = compiled.plan.replace(notes=compiled.plan.notes + (("model", args.model), ("batch x seq", f"{args.batch} x {seq}")))
@@ -147,6 +150,15 @@ def param_table(compiled, *, grouped: bool = True) -> Table:
     return Table("parameter layouts", ("tensor", "count", "shape", "spec", "shard per rank", "bytes/rank"), out, f"total {total} per rank")
 
 
+def _split_points(args) -> list[int] | None:
+    if not args.split_points:
+        return None
+    try:
+        return [int(x) for x in args.split_points.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--split-points {args.split_points!r}: give layer indices separated by commas, e.g. 4,9,14") from None
+
+
 # -- run ----------------------------------------------------------------------------------------
 def run_main(args) -> None:
     from .runtime import dist as mdist
@@ -162,6 +174,7 @@ def run_main(args) -> None:
         dtype=args.dtype, lr=args.lr, seed=args.seed, sequence_parallel=args.sp, overrides=_overrides(args),
         zero=zero_level(args.zero), precision=args.precision, recompute=args.recompute,
         microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
+        split_points=tuple(_split_points(args) or ()) or None, balance=args.balance,
     )  # fmt: skip
     rank0 = int(os.environ["RANK"]) == 0
     result = train_parallel(run, progress=rank0)

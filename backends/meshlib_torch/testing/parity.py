@@ -51,6 +51,8 @@ class RunConfig:
     offload: bool = False
     schedule: str = "1f1b"  # with a pp axis in the mesh
     chunks: int | None = None
+    split_points: tuple[int, ...] | None = None  # layers where pipeline stages begin (default: by `balance`)
+    balance: str = "flops"  # pipeline stage cost: "flops" or "params"
     model_class: type | None = None  # built instead of the bundled model's class (same config), e.g. a test's variant
 
     @property
@@ -159,7 +161,8 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
         recompute=run.recompute,
         replicate_axes=run.replicate_axes,
         offload=run.offload,
-        **(dict(microbatches=run.microbatches, schedule=run.schedule, chunks=run.chunks) if pipelined else {}),
+        **(dict(microbatches=run.microbatches, schedule=run.schedule, chunks=run.chunks, balance=run.balance,
+               split_points=list(run.split_points) if run.split_points else None) if pipelined else {}),
     )
     opt = par.optimizer(lr=run.lr, betas=(0.9, 0.95), weight_decay=0.1)
     if pipelined:
