@@ -26,7 +26,9 @@ model = build("llama-70b", n_layers=layers)
 x = torch.empty(8, 4096, dtype=torch.long, device="meta")
 t = time.perf_counter()
 c = compile_model(model, mesh=mesh, rules=default_rules("llama-70b", mesh), example_inputs=(x, x.clone()))
-print(json.dumps({"seconds": time.perf_counter() - t, "nodes": len(c.graph.nodes), "collectives": len(c.plan.collectives)}))
+print(json.dumps({
+    "seconds": time.perf_counter() - t, "nodes": len(c.graph.nodes), "collectives": len(c.plan.collectives),
+}))
 """
 
 

@@ -33,7 +33,9 @@ BUS = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all"
 
 def run(model: str, tp: int, batch: int, seq: int, rounds: int, steps: int, sp: bool) -> dict:
     out = tempfile.mktemp(suffix=".json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), os.path.join(HERE, "tp_worker.py")]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), os.path.join(HERE, "tp_worker.py")
+    ]
     cmd += [model, str(tp), str(batch), str(seq), str(rounds), str(steps), "sp" if sp else "nosp", out]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -68,7 +70,9 @@ def rows(results: list[dict]) -> tuple[list, list]:
             layers = (b - ends) / (r["layers"] * per_layer)
             comm.append((setting, name, f"{b / 2**20:.2f}", f"{b / whole:.2f}", f"{layers:.2f}"))
         ours, native = statistics.median(r["step_ours"]), statistics.median(r["step_native"])
-        time_rows.append((setting, f"{ours * 1e3:.1f}", f"{native * 1e3:.1f}", f"{ours / native:.2f}", len(r["step_ours"])))
+        time_rows.append(
+            (setting, f"{ours * 1e3:.1f}", f"{native * 1e3:.1f}", f"{ours / native:.2f}", len(r["step_ours"]))
+        )
     return comm, time_rows
 
 
@@ -97,7 +101,9 @@ def main() -> None:
                 raise RuntimeError(f"first-step losses differ: {r['loss_ours']} vs {r['loss_native']}")
     comm, times = rows(results)
     r0 = results[0]
-    print(f"{args.model}: {r0['layers']} layers, h={r0['dim']}, batch {args.batch} x seq {args.seq}, fp32, gloo on CPU\n")
+    print(
+        f"{args.model}: {r0['layers']} layers, h={r0['dim']}, batch {args.batch} x seq {args.seq}, fp32, gloo on CPU\n"
+    )
     print("(a) comm bytes per rank per step (bus bytes) / Megatron minimum\n")
     print(markdown(("setting", "implementation", "MiB", "/ whole-model minimum", "layers / per-layer minimum"), comm))
     print("\n(b) step time, alternated in one run (median over rounds)\n")

@@ -31,14 +31,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import statistics
-import sys
 import time
 from collections import defaultdict
 
 import torch
 import zero_worker
+from machine import busy_ticks, describe, ticks_of
 
 from meshlib import Mesh, Precision, dp_comm_bytes, fsdp2_memory, zero_memory
 from meshlib_torch import compile_model, data, models
@@ -168,7 +167,9 @@ def table_peak(model: str, mesh: str, batch: int, seq: int) -> tuple[str, list]:
         if abs(estimate / high - 1) > 0.05:
             misses.append((f"zero={zero}", recompute, f"sp={sp}", round(estimate / high, 3)))
         spread = f"{high / 1024:.1f}" if low == high else f"{low / 1024:.1f} - {high / 1024:.1f}"
-        rows.append((zero, recompute, "on" if sp else "off", f"{estimate / 1024:.1f}", spread, f"{estimate / high:.3f}"))
+        rows.append(
+            (zero, recompute, "on" if sp else "off", f"{estimate / 1024:.1f}", spread, f"{estimate / high:.3f}")
+        )
     header = ("zero", "recompute", "SP", "estimate KiB", "measured KiB (ranks: min - max)", "estimate / measured max")
     return markdown(header, rows), misses
 
@@ -178,9 +179,9 @@ def table_race(model: str, dps: tuple[int, ...], batch: int, seq: int, rounds: i
     rows = []
     for dp in dps:
         pool = get_pool(dp)
-        before = _busy_ticks(), _ticks_of(pool.pids)
+        before = busy_ticks(), ticks_of(pool.pids)
         r = pool.run(zero_worker.race, model, dp, batch, seq, rounds, steps, timeout=1200)[0]
-        busy, mine = _busy_ticks() - before[0], _ticks_of(pool.pids) - before[1]
+        busy, mine = busy_ticks() - before[0], ticks_of(pool.pids) - before[1]
         ours, native = r["losses"]["ours"], r["losses"]["native"]
         diff = max(abs(a - b) for a, b in zip(ours, native, strict=True))
         if diff > TOLERANCE:
@@ -198,35 +199,7 @@ def table_race(model: str, dps: tuple[int, ...], batch: int, seq: int, rounds: i
     return markdown(header, rows)
 
 
-def _busy_ticks() -> int:
-    """Busy CPU time of the whole machine so far, in clock ticks (/proc/stat: all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    return sum(ticks) - ticks[3] - ticks[4]
-
-
-def _ticks_of(pids) -> int:
-    """User + system CPU time of these processes so far, in clock ticks."""
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime and stime: fields 14 and 15 of proc(5)
-    return total
-
-
 # -- the run ---------------------------------------------------------------------------------------------
-def machine() -> str:
-    with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    cpu = names[0] if names else platform.processor()
-    return (
-        f"- cpu: {cpu}, {os.cpu_count()} cores\n- torch: {torch.__version__}, CPython {platform.python_version()}, "
-        f"{platform.system()} {platform.release()}\n- command: `python {' '.join(sys.argv)}`\n"
-        f"- load average at start (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=25, help="(d): rounds, each timing both sides, alternated")
@@ -236,7 +209,7 @@ def main() -> None:
     if args.quick:
         args.rounds, args.steps = 3, 1
     start = time.perf_counter()
-    print(machine() + "\n")
+    print(describe() + "\n")
 
     state, peaks = table_memory("llama-1b", 8, 8, 2048)
     print("(b) llama-1b on an abstract Mesh(dp=8), bf16 compute (fp32 masters), batch 8 x 2048: model state per rank\n")

@@ -15,7 +15,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -28,8 +27,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshlib import Mesh
-from meshlib_torch import COUNTER, parallelize
-from meshlib_torch import data, models
+from meshlib_torch import COUNTER, data, models, parallelize
 from meshlib_torch.runtime import dist as mdist
 from meshlib_torch.runtime.materialize import init_full
 
@@ -92,7 +90,9 @@ def native_model(cfg, tp_mesh, seed: int, dtype, sp: bool) -> torch.nn.Module:
             layer["attention_norm"] = SequenceParallel()
             layer["ffn_norm"] = SequenceParallel()
             layer["attention"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
             )
             layer["feed_forward"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
@@ -150,7 +150,14 @@ def main(model_name: str, tp: int, batch: int, seq: int, rounds: int, steps: int
     batches = [data.batch(i, batch_size=batch, seq_len=seq) for i in range(4)]
     meta = models.build(cfg, device="meta", dtype=dtype)
     t0 = time.perf_counter()
-    ours = parallelize(meta, mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=batches[0], init=_init(cfg), sequence_parallel=sp)
+    ours = parallelize(
+        meta,
+        mesh=mesh,
+        rules=models.default_rules(cfg, mesh),
+        example_inputs=batches[0],
+        init=_init(cfg),
+        sequence_parallel=sp,
+    )
     build_ours = time.perf_counter() - t0
     native = native_model(cfg, mdist.device_mesh(mesh), seed=0, dtype=dtype, sp=sp)
     opt_ours, opt_native = _opt(ours.parameters()), _opt(native.parameters())
@@ -165,7 +172,10 @@ def main(model_name: str, tp: int, batch: int, seq: int, rounds: int, steps: int
 
     times_ours, times_native = [], []
     for r in range(rounds):
-        order = [("ours", lambda t, y: _ours_step(ours, opt_ours, t, y)), ("native", lambda t, y: _native_step(native, opt_native, t, y))]
+        order = [
+            ("ours", lambda t, y: _ours_step(ours, opt_ours, t, y)),
+            ("native", lambda t, y: _native_step(native, opt_native, t, y)),
+        ]
         for name, fn in order if r % 2 == 0 else order[::-1]:
             (times_ours if name == "ours" else times_native).append(_timed(fn, steps, batches))
     if dist.get_rank() == 0:

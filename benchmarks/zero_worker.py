@@ -16,7 +16,6 @@ They live in their own module because a RankPool job pickles by qualified name.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 

@@ -125,13 +125,17 @@ class Precision:
         text = text.strip().lower()
         if "=" not in text:
             if text not in _DTYPES:
-                raise ValueError(f"precision {text!r}: use one of {sorted(set(_DTYPES))} or param=..,reduce=..,output=..")
+                raise ValueError(
+                    f"precision {text!r}: use one of {sorted(set(_DTYPES))} or param=..,reduce=..,output=.."
+                )
             return cls(param=_DTYPES[text])
         fields = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, _, value = part.partition("=")
             if key not in ("param", "reduce", "output") or value not in _DTYPES:
-                raise ValueError(f"precision {text!r}: {part!r} is not param|reduce|output=<{'|'.join(sorted(_DTYPES))}>")
+                raise ValueError(
+                    f"precision {text!r}: {part!r} is not param|reduce|output=<{'|'.join(sorted(_DTYPES))}>"
+                )
             fields[key] = _DTYPES[value]
         return cls(**fields)
 
@@ -213,7 +217,10 @@ class Plan:
         settings = [
             ("mesh", repr(self.mesh)),
             ("zero", self.zero),
-            ("precision", f"param {self.precision.param}, reduce {self.precision.reduce}, output {self.precision.output}"),
+            (
+                "precision",
+                f"param {self.precision.param}, reduce {self.precision.reduce}, output {self.precision.output}",
+            ),
             ("recompute", self.recompute),
             ("uneven", self.uneven),
         ]
@@ -238,7 +245,13 @@ class Plan:
             )
         if self.stages:
             rows = [
-                (s.index, s.rank, _span(s.modules), f"{s.cost:.3g}", "; ".join(f"{b.name} {b.shape} {human_bytes(b.bytes)}" for b in s.sends))
+                (
+                    s.index,
+                    s.rank,
+                    _span(s.modules),
+                    f"{s.cost:.3g}",
+                    "; ".join(f"{b.name} {b.shape} {human_bytes(b.bytes)}" for b in s.sends),
+                )
                 for s in self.stages
             ]
             out.append(Table("pipeline stages", ("stage", "pp rank", "modules", "cost", "sends per microbatch"), rows))
@@ -248,7 +261,11 @@ class Plan:
                 "params": "parameters", "grads": "gradients", "optimizer": "optimizer state (moments, fp32 masters)",
                 "activations": "step: activations, gradients, temporaries", "peak": "peak (dry run)",
             }  # fmt: skip
-            rows = [(names[k], human_bytes(getattr(m, k))) for k in names if getattr(m, k) or k in ("params", "grads", "optimizer")]
+            rows = [
+                (names[k], human_bytes(getattr(m, k)))
+                for k in names
+                if getattr(m, k) or k in ("params", "grads", "optimizer")
+            ]
             caption = f"ZeRO-{self.zero}, {self.precision.param} compute; model state as stored between steps"
             out.append(Table("memory per rank", ("what", "bytes"), rows, caption))
         return out

@@ -1,7 +1,9 @@
 """Run a pipeline `Schedule` on a clock: check it, time it, measure its bubble and memory.
 
 Each rank runs its actions in order. An action starts when its rank is free and
-what it needs is done, and a result that crosses ranks arrives `t_comm` later:
+what it needs is done, and a result that crosses ranks arrives `t_comm` later. A rank
+is free `t_host` after its last action ends: the runtime's own time per action (posting
+sends and receives, bookkeeping), which counts as idle in the bubble.
 
 - F of stage s needs F of stage s - 1 (same microbatch);
 - B or I of stage s needs F of stage s and B or I of stage s + 1 (the last stage: its F);
@@ -47,6 +49,7 @@ class Simulation:
     t_b: float
     t_w: float | None
     t_comm: float
+    t_host: float = 0.0
 
     @property
     def busy(self) -> tuple[float, ...]:
@@ -62,12 +65,21 @@ class Simulation:
 
 
 def simulate(
-    schedule: Schedule, /, *, t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = None, t_comm: float = 0.0
+    schedule: Schedule,
+    /,
+    *,
+    t_f: float = 1.0,
+    t_b: float = 2.0,
+    t_w: float | None = None,
+    t_comm: float = 0.0,
+    t_host: float = 0.0,
 ) -> Simulation:
     """Time `schedule`: F takes `t_f` and a full B takes `t_b`. Where the backward is split, W
     takes `t_w` (default `t_b / 2`) and I takes `t_b - t_w`; `t_w` is ignored for full B's.
     Times are per action, i.e. per stage-chunk and microbatch: to compare an interleaved
     schedule with `v` chunks against a plain one on the same model, divide its times by `v`.
+    A result reaches another rank `t_comm` after it ends; a rank starts its next action no
+    sooner than `t_host` after its last one ends (host time per action, idle in the bubble).
     Raises ValueError when the schedule is malformed or deadlocks.
 
     Example:
@@ -78,13 +90,13 @@ def simulate(
     """
     durations = _durations(schedule, t_f, t_b, t_w)
     _check_actions(schedule)
-    t_comm = _nonnegative("t_comm", t_comm)
-    timelines = _run(schedule, durations, t_comm)
+    t_comm, t_host = _nonnegative("t_comm", t_comm), _nonnegative("t_host", t_host)
+    timelines = _run(schedule, durations, t_comm, t_host)
     makespan = max((row[-1][1] for row in timelines if row), default=0.0)
     busy = sum(end - start for row in timelines for start, end, _ in row)
     bubble = 1.0 - busy / (schedule.p * makespan) if makespan else 0.0
     peaks = tuple(_peak_inflight(row) for row in schedule.actions)
-    return Simulation(schedule, timelines, makespan, bubble, peaks, t_f, t_b, t_w, t_comm)
+    return Simulation(schedule, timelines, makespan, bubble, peaks, t_f, t_b, t_w, t_comm, t_host)
 
 
 def validate_schedule(schedule: Schedule, /) -> None:
@@ -224,7 +236,7 @@ def _needs(a: Action, last_stage: int) -> list[Action]:
     return own + ([Action("I", a.stage + 1, a.microbatch)] if a.stage < last_stage else [])
 
 
-def _run(schedule: Schedule, durations: dict[str, float], t_comm: float) -> tuple:
+def _run(schedule: Schedule, durations: dict[str, float], t_comm: float, t_host: float) -> tuple:
     """Each rank runs its next action as soon as it can; ranks are swept until nobody moves."""
     p, last, placement = schedule.p, schedule.stages - 1, schedule.placement
     done: dict[Action, float] = {}
@@ -242,7 +254,8 @@ def _run(schedule: Schedule, durations: dict[str, float], t_comm: float) -> tupl
                     break
                 hops = [t + (t_comm if placement[n.stage] != r else 0.0) for n, t in zip(needs, ready, strict=True)]
                 start = max([free[r], *hops])
-                free[r] = end = start + durations[a.kind]
+                end = start + durations[a.kind]
+                free[r] = end + t_host
                 done[Action("I", a.stage, a.microbatch) if a.kind == "B" else a] = end
                 rows[r].append((start, end, a))
                 heads[r] += 1

@@ -216,5 +216,7 @@ def tree_shardings(tree: Any, specs: Any, mesh: Mesh, /, *, uneven: str = "error
             continue
         out.append(sharding)
     if errors:
-        raise ValueError(f"{_count(len(errors), 'spec', 'specs')} cannot be laid out on {mesh!r}:\n  " + "\n  ".join(errors))
+        raise ValueError(
+            f"{_count(len(errors), 'spec', 'specs')} cannot be laid out on {mesh!r}:\n  " + "\n  ".join(errors)
+        )
     return optree.tree_unflatten(treespec, out)

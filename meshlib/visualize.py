@@ -109,14 +109,20 @@ class Layout:
         empty = sorted(r for k, rs in self.blocks.items() if any(a == b for a, b, _ in k) for r in rs)
         if not empty:
             return ""
-        return f"rank {empty[0]} holds an empty block" if len(empty) == 1 else f"ranks {_ranks_text(empty)} hold empty blocks"
+        return (
+            f"rank {empty[0]} holds an empty block"
+            if len(empty) == 1
+            else f"ranks {_ranks_text(empty)} hold empty blocks"
+        )
 
     def __str__(self) -> str:
         out = [self.title]
         for title, rlabels, clabels, cells in self.panels():
             if title:
                 out.append(f"-- {title}")
-            table = [[""] + clabels] + [[rl] + [_ranks_text(c) if c else "-" for c in row] for rl, row in zip(rlabels, cells)]
+            table = [[""] + clabels] + [
+                [rl] + [_ranks_text(c) if c else "-" for c in row] for rl, row in zip(rlabels, cells)
+            ]
             widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
             out += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in table]
         note = self._empty_note()

@@ -8,10 +8,10 @@ every parameter after the last step must agree: fp64 to 1e-12, fp32 to rtol
 """
 
 import pytest
-from meshlib_torch.testing.parity import RunConfig, compare, train_parallel, train_reference
-from meshlib_torch.testing.pool import get_pool
 
 from meshlib import Mesh
+from meshlib_torch.testing.parity import RunConfig, compare, train_parallel, train_reference
+from meshlib_torch.testing.pool import get_pool
 
 pytestmark = pytest.mark.ranks
 

@@ -19,7 +19,7 @@ from meshlib_torch import COUNTER, parallelize
 from meshlib_torch.models import build, config, default_rules
 from meshlib_torch.runtime import dist as mdist
 from meshlib_torch.testing.parity import RunConfig, compare, train_parallel, train_reference
-from meshlib_torch.testing.pool import RankError, close_all, get_pool
+from meshlib_torch.testing.pool import close_all, get_pool
 
 pytestmark = pytest.mark.ranks
 
@@ -128,20 +128,21 @@ def _stall():
     try:
         pipe.train_step((x, x), opt)
     except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError on a timeout
-        return f"raised after {time.monotonic() - start:.1f}s: {type(err).__name__}"
+        return f"raised after {time.monotonic() - start:.1f}s: {type(err).__name__}: {err}"
     return "finished"
 
 
 def test_a_stalled_stage_times_out_instead_of_hanging():
+    """Rank 1 skips the step: rank 0's send/recv must fail at the 4 s given to parallelize, by
+    meshlib's own timeout, not by the pool's job limit (60 s)."""
     try:
         results = get_pool(2).run(_stall, timeout=60)
-        assert results[1] == "skipped"
-        seconds = float(re.search(r"after ([0-9.]+)s", results[0]).group(1))
-        assert seconds < 30, results
-    except RankError as err:  # rank 0 may surface the timeout as its job's exception
-        assert "imed out" in str(err) or "Timeout" in str(err) or "timed out" in str(err).lower(), str(err)
     finally:
         close_all()  # the groups of this job are broken now
+    assert results[1] == "skipped"
+    seconds = float(re.search(r"after ([0-9.]+)s", results[0]).group(1))
+    assert 3.5 <= seconds < 20, results
+    assert "TimeoutError: pipeline step timed out on rank 0" in results[0] and "raise `timeout=`" in results[0]
 
 
 def test_simulated_bubbles_match_the_closed_forms_used_in_the_benchmark():

@@ -11,12 +11,12 @@ import time
 
 import pytest
 import torch
+
+from meshlib import Mesh, P, pattern_rules
 from meshlib_torch import COUNTER, parallelize
 from meshlib_torch.models import build, default_rules
 from meshlib_torch.runtime import dist as mdist
 from meshlib_torch.testing.pool import RankError, get_pool
-
-from meshlib import Mesh, P, pattern_rules
 
 pytestmark = pytest.mark.ranks
 

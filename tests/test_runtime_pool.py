@@ -19,10 +19,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as c10d  # noqa: E402
-from meshlib_torch.runtime import dist as runtime  # noqa: E402
-from meshlib_torch.testing.pool import RankError, get_pool  # noqa: E402
 
 from meshlib import Mesh  # noqa: E402
+from meshlib_torch.runtime import dist as runtime  # noqa: E402
+from meshlib_torch.testing.pool import RankError, get_pool  # noqa: E402
 
 pytestmark = pytest.mark.ranks
 

@@ -152,6 +152,19 @@ def test_communication_time_delays_cross_rank_hops():
     assert simulate(zbv(1, 3), t_comm=5).makespan == simulate(zbv(1, 3)).makespan
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 12), st.sampled_from(["gpipe", "1f1b"]), st.sampled_from([0.25, 0.5, 3.0]))
+def test_host_time_per_action_adds_to_each_rank_and_counts_as_idle(p, m, name, h):
+    """Closed form: with t_comm = 0 a host time h after every action delays the last rank's 2m
+    actions by h each but the last, (m + p - 1)(t_F + t_B) + (2m - 1) h; it is idle in the bubble."""
+    sim = simulate(schedule(name, p, m), t_f=1.0, t_b=2.0, t_host=h)
+    assert sim.makespan == pytest.approx((m + p - 1) * 3.0 + (2 * m - 1) * h)
+    assert sim.bubble == pytest.approx(1 - 3.0 * m / sim.makespan)
+    assert sim.t_host == h
+    with pytest.raises(ValueError, match="t_host must be a number >= 0"):
+        simulate(schedule(name, p, m), t_host=-1.0)
+
+
 # -- validation --------------------------------------------------------------------------------
 
 shapes = st.integers(1, 6).flatmap(lambda p: st.tuples(st.just(p), st.integers(1, 12), st.integers(1, 3)))

@@ -72,11 +72,10 @@ def test_cpu_offload_keeps_fsdp_shards_on_the_cpu():
 # -- memory and bytes -------------------------------------------------------------------------
 def _measure(run: RunConfig):
     """One step on the ranks; model-state bytes after backward, and the step's dp traffic."""
+    from meshlib import Precision
     from meshlib_torch import COUNTER, data, models, parallelize
     from meshlib_torch.runtime.memory import model_state_bytes
     from meshlib_torch.testing.parity import _init
-
-    from meshlib import Precision
 
     cfg = models.config(run.model)
     mesh = Mesh.parse(run.mesh)
@@ -169,9 +168,8 @@ def _peak(run: RunConfig):
 )
 def test_peak_estimate_within_5_percent_of_measured(zero, recompute, sp, precision):
     """The dry run on the meta device against the peak counted on real ranks (dispatch-mode tracker)."""
-    from meshlib_torch import compile_model, data, models
-
     from meshlib import Precision
+    from meshlib_torch import compile_model, data, models
 
     run = RunConfig(model="llama-tiny", mesh="dp=2,tp=2", zero=zero, recompute=recompute, sequence_parallel=sp,
                     dtype="float32", precision=precision, batch_size=8, seq_len=64)  # fmt: skip

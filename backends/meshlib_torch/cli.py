@@ -16,8 +16,8 @@ from collections import defaultdict
 import torch
 
 from meshlib import Mesh, Plan, Precision
-from meshlib.cost import zero_level
 from meshlib._table import Table, human_bytes, show
+from meshlib.cost import zero_level
 
 from . import models
 from .testing.parity import TOLERANCE
@@ -99,7 +99,9 @@ def plan_main(args) -> Plan:
         )  # fmt: skip
     else:
         compiled = compile_model(model, **common)
-    plan = compiled.plan.replace(notes=compiled.plan.notes + (("model", args.model), ("batch x seq", f"{args.batch} x {seq}")))
+    plan = compiled.plan.replace(
+        notes=compiled.plan.notes + (("model", args.model), ("batch x seq", f"{args.batch} x {seq}"))
+    )
     tables = _plan_tables(plan, grouped=not args.all)
     tables[1] = param_table(compiled, grouped=not args.all)
     show(*tables)
@@ -123,7 +125,10 @@ def grouped_collectives(plan: Plan) -> Table:
         key = (c.phase, c.kind, ",".join(c.axes), c.op, c.source, c.reason)
         groups[key][0] += c.count
         groups[key][1] += c.total_bytes
-    rows = [(*k[:3], n, human_bytes(b), k[3], k[4], k[5]) for k, (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])]
+    rows = [
+        (*k[:3], n, human_bytes(b), k[3], k[4], k[5])
+        for k, (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])
+    ]
     total = human_bytes(plan.comm_bytes())
     return Table(
         "collectives per step (grouped by source line)",
@@ -145,9 +150,17 @@ def param_table(compiled, *, grouped: bool = True) -> Table:
         key = (key_name, tuple(p.shape), shown, local)
         n, b = rows.get(key, (0, 0))
         rows[key] = (n + 1, b + math.prod(local) * p.element_size())
-    out = [(k[0], n, "x".join(map(str, k[1])), k[2], "x".join(map(str, k[3])), human_bytes(b)) for k, (n, b) in rows.items()]
+    out = [
+        (k[0], n, "x".join(map(str, k[1])), k[2], "x".join(map(str, k[3])), human_bytes(b))
+        for k, (n, b) in rows.items()
+    ]
     total = human_bytes(sum(b for _, b in rows.values()))
-    return Table("parameter layouts", ("tensor", "count", "shape", "spec", "shard per rank", "bytes/rank"), out, f"total {total} per rank")
+    return Table(
+        "parameter layouts",
+        ("tensor", "count", "shape", "spec", "shard per rank", "bytes/rank"),
+        out,
+        f"total {total} per rank",
+    )
 
 
 def _split_points(args) -> list[int] | None:
@@ -156,7 +169,9 @@ def _split_points(args) -> list[int] | None:
     try:
         return [int(x) for x in args.split_points.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--split-points {args.split_points!r}: give layer indices separated by commas, e.g. 4,9,14") from None
+        raise ValueError(
+            f"--split-points {args.split_points!r}: give layer indices separated by commas, e.g. 4,9,14"
+        ) from None
 
 
 # -- run ----------------------------------------------------------------------------------------
@@ -199,10 +214,18 @@ def _run_summary(run, result) -> Table:
 
 
 def _reference_table(diffs: dict, run) -> Table:
-    names = {"loss": "loss (every step)", "grad_norm": "gradient norm (every step)", "param": f"parameters after {run.steps} steps"}
+    names = {
+        "loss": "loss (every step)",
+        "grad_norm": "gradient norm (every step)",
+        "param": f"parameters after {run.steps} steps",
+    }
     rows = [(names[k], f"{v:.3e}") for k, v in diffs.items() if k in names]
     rtol, _ = TOLERANCE[run.torch_dtype]
-    hint = "" if diffs["ok"] or run.dtype == "float64" else "; AdamW grows fp32 rounding over longer runs: try --dtype float64"
+    hint = (
+        ""
+        if diffs["ok"] or run.dtype == "float64"
+        else "; AdamW grows fp32 rounding over longer runs: try --dtype float64"
+    )
     return Table(
         "parallel run vs single-process reference: max |difference|",
         ("quantity", "max |diff|"),

@@ -109,7 +109,10 @@ _register(
     (_method("masked_fill"), ("x", "mask", "value")),
     (aten.masked_fill.Scalar, ("x", "mask", "value")),
 )
-for _name, _fns in {"sum": (torch.sum, aten.sum.dim_IntList, _method("sum")), "mean": (torch.mean, aten.mean.dim, _method("mean"))}.items():
+for _name, _fns in {
+    "sum": (torch.sum, aten.sum.dim_IntList, _method("sum")),
+    "mean": (torch.mean, aten.mean.dim, _method("mean")),
+}.items():
     _register(_name, X, *((fn, ("x", "dim", "keepdim", "dtype")) for fn in _fns))
 _register(
     "softmax",
@@ -141,7 +144,13 @@ _register("linear", ("x", "w"), (F.linear, ("x", "w", "bias")), (aten.linear.def
 _register(
     "matmul",
     ("x", "y"),
-    *((fn, ("x", "y")) for fn in (torch.matmul, operator.matmul, _method("matmul"), aten.matmul.default, torch.bmm, aten.bmm.default, torch.mm, aten.mm.default)),
+    *(
+        (fn, ("x", "y"))
+        for fn in (
+            torch.matmul, operator.matmul, _method("matmul"), aten.matmul.default,
+            torch.bmm, aten.bmm.default, torch.mm, aten.mm.default,
+        )
+    ),
 )
 _register("einsum", (), (torch.einsum, ("equation",)), (aten.einsum.default, ("equation", "operands")))
 _register(
@@ -155,12 +164,19 @@ _register(
 _register(
     "cross_entropy",
     ("logits", "target"),
-    (F.cross_entropy, ("logits", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")),
-    (aten.cross_entropy_loss.default, ("logits", "target", "weight", "reduction", "ignore_index", "label_smoothing")),
+    (
+        F.cross_entropy,
+        ("logits", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"),
+    ),
+    (
+        aten.cross_entropy_loss.default,
+        ("logits", "target", "weight", "reduction", "ignore_index", "label_smoothing"),
+    ),
 )
 _VIEWS = (
-    _method("view"), _method("reshape"), torch.reshape, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-    _method("flatten"), torch.flatten, aten.flatten.using_ints, _method("unflatten"), torch.unflatten, aten.unflatten.int,
+    _method("view"), _method("reshape"), torch.reshape, aten.view.default, aten.reshape.default,
+    aten._unsafe_view.default, _method("flatten"), torch.flatten, aten.flatten.using_ints, _method("unflatten"),
+    torch.unflatten, aten.unflatten.int,
     _method("unsqueeze"), torch.unsqueeze, aten.unsqueeze.default, _method("squeeze"), torch.squeeze,
     aten.squeeze.dim, aten.squeeze.default, _method("view_as"), _method("reshape_as"),
 )  # fmt: skip
@@ -174,8 +190,20 @@ _register(
     (_method("t"), ("x",)),
     (aten.t.default, ("x",)),
 )
-_register("permute", X, (_method("permute"), ("x", "a1", "a2", "a3", "a4", "a5")), (torch.permute, ("x", "dims")), (aten.permute.default, ("x", "dims")))
-_register("expand", X, (_method("expand"), ("x", "a1", "a2", "a3", "a4", "a5")), (aten.expand.default, ("x", "size")), (_method("expand_as"), ("x", "other")))
+_register(
+    "permute",
+    X,
+    (_method("permute"), ("x", "a1", "a2", "a3", "a4", "a5")),
+    (torch.permute, ("x", "dims")),
+    (aten.permute.default, ("x", "dims")),
+)
+_register(
+    "expand",
+    X,
+    (_method("expand"), ("x", "a1", "a2", "a3", "a4", "a5")),
+    (aten.expand.default, ("x", "size")),
+    (_method("expand_as"), ("x", "other")),
+)
 _register(
     "repeat_interleave",
     X,
@@ -195,13 +223,31 @@ _register(
     (aten.chunk.default, ("x", "chunks", "dim")),
 )
 _register("cat", (), (torch.cat, ("tensors", "dim")), (aten.cat.default, ("tensors", "dim")))
-_register("slice", X, (aten.slice.Tensor, ("x", "dim", "start", "end", "step")), (_method("narrow"), ("x", "dim", "start", "length")))
+_register(
+    "slice",
+    X,
+    (aten.slice.Tensor, ("x", "dim", "start", "end", "step")),
+    (_method("narrow"), ("x", "dim", "start", "length")),
+)
 _register("select", X, (aten.select.int, ("x", "dim", "index")))
-_register("tri", X, *((fn, ("x", "diagonal")) for fn in (torch.tril, torch.triu, aten.tril.default, aten.triu.default, _method("tril"), _method("triu"))))
+_register(
+    "tri",
+    X,
+    *(
+        (fn, ("x", "diagonal"))
+        for fn in (torch.tril, torch.triu, aten.tril.default, aten.triu.default, _method("tril"), _method("triu"))
+    ),
+)
 _register(
     "like",
     X,
-    *((fn, ("x", "a1", "a2")) for fn in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default)),
+    *(
+        (fn, ("x", "a1", "a2"))
+        for fn in (
+            torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+            aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+        )
+    ),
 )
 _register(
     "create",

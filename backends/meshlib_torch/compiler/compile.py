@@ -55,7 +55,12 @@ class Compiled:
         from ..runtime.materialize import shard_indices
 
         coords = self.mesh.coords(rank)
-        return shard_indices(tuple(self.traced.params[name].shape), self.param_layouts[name], self.axes.sizes, [coords[a] for a in self.axes.names])
+        return shard_indices(
+            tuple(self.traced.params[name].shape),
+            self.param_layouts[name],
+            self.axes.sizes,
+            [coords[a] for a in self.axes.names],
+        )
 
     def local_param_shape(self, name: str) -> tuple[int, ...]:
         shape = tuple(self.traced.params[name].shape)
@@ -113,7 +118,9 @@ def compile_model(
     if isinstance(precision, str):
         precision = Precision.parse(precision)
     elif precision is not None and not isinstance(precision, Precision):
-        raise TypeError(f"precision={precision!r}: pass a meshlib.Precision, or text such as 'bf16' or 'param=bf16,reduce=fp32'")
+        raise TypeError(
+            f"precision={precision!r}: pass a meshlib.Precision, or text such as 'bf16' or 'param=bf16,reduce=fp32'"
+        )
     if precision is None:  # compute, reduce and output in the model's own dtype
         own = str(next(model.parameters()).dtype).removeprefix("torch.")
         precision = Precision(own, own, own)
@@ -161,7 +168,10 @@ def _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp
     data = data_axes(in_layouts, mesh)
     bad = [a for a in options.replicate_axes if a not in data]
     if bad:
-        raise ValueError(f"replicate_axes {bad} are not data-parallel axes of this plan ({data}); HSDP replicates over some of those")
+        raise ValueError(
+            f"replicate_axes {bad} are not data-parallel axes of this plan ({data}); "
+            "HSDP replicates over some of those"
+        )
     plans = propagate(gm, axes, params=layouts, inputs=in_layouts)
     synced = partial_grad_params(plans, axes, data)
     trainable = {n for n, p in traced.params.items() if p.requires_grad}
@@ -177,7 +187,9 @@ def _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp
     plan = _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sequence_parallel, layouts)
     plan = _with_data_parallel(plan, traced, layouts, axes, data, options, synced)
     buffers = {n: b for n, b in gm.named_buffers()}
-    compiled = Compiled(mesh, axes, gm.graph, traced, comms, specials, specs, layouts, in_layouts, names, plan, buffers, plans)
+    compiled = Compiled(
+        mesh, axes, gm.graph, traced, comms, specials, specs, layouts, in_layouts, names, plan, buffers, plans
+    )
     compiled.data_axes, compiled.options, compiled.synced_params = data, options, synced
     compiled.parts = partition(gm.graph, layer_paths(model))
     return compiled
@@ -192,21 +204,32 @@ def data_axes(in_layouts: dict[str, Layout], mesh: Mesh) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def _with_data_parallel(plan: Plan, traced: Traced, layouts, axes: Axes, data: tuple[str, ...], options: Options, synced) -> Plan:
+def _with_data_parallel(
+    plan: Plan, traced: Traced, layouts, axes: Axes, data: tuple[str, ...], options: Options, synced
+) -> Plan:
     """The plan's gradient sync over the data axes, and its zero level, precision and recompute."""
     records = []
     sizes = dict(zip(axes.names, axes.sizes))
     shard = tuple(a for a in data if a not in options.replicate_axes)
     n_shard = math.prod(sizes[a] for a in shard)
-    param_b, reduce_b = (torch.empty((), dtype=getattr(torch, d)).element_size() for d in (options.precision.param, options.precision.reduce))
+    param_b, reduce_b = (
+        torch.empty((), dtype=getattr(torch, d)).element_size()
+        for d in (options.precision.param, options.precision.reduce)
+    )
     for name, p in traced.params.items():
         if name not in synced:
             continue  # its gradient is already whole (computed on activations gathered over the data axes)
         numel = math.prod(local_shape(tuple(p.shape), layouts[name], axes.sizes))
-        for kind, phase, nbytes, over, count in dp_sync_steps(options.zero, numel, param_b, reduce_b, shard, options.replicate_axes, n_shard):
+        for kind, phase, nbytes, over, count in dp_sync_steps(
+            options.zero, numel, param_b, reduce_b, shard, options.replicate_axes, n_shard
+        ):
             group = math.prod(sizes[a] for a in over)
             if group > 1:
-                records.append(Collective(kind, over, nbytes, name, "grad sync", "", f"zero-{options.zero}", phase, count, group, name))
+                records.append(
+                    Collective(
+                        kind, over, nbytes, name, "grad sync", "", f"zero-{options.zero}", phase, count, group, name
+                    )
+                )
     notes = dict(plan.notes) | {"data-parallel axes": ",".join(data) or "-"}
     if options.replicate_axes:
         notes["hsdp replicate axes"] = ",".join(options.replicate_axes)
@@ -320,8 +343,9 @@ def _special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:
                 n_val = 1 if what == "max" else 2
                 out.append(
                     dict(
-                        kind="all_reduce", axes=(axis,), bytes=rows * spec.args["itemsize"] * n_val, node=spec.name, op="cross_entropy",
-                        source="", reason=f"loss-parallel {what}", phase="forward", group=sizes[axis], bus=0,
+                        kind="all_reduce", axes=(axis,), bytes=rows * spec.args["itemsize"] * n_val, node=spec.name,
+                        op="cross_entropy", source="", reason=f"loss-parallel {what}", phase="forward",
+                        group=sizes[axis], bus=0,
                     )
                 )  # fmt: skip
         for axis in spec.args["rows_axes"]:

@@ -45,8 +45,8 @@ def fold_scalars(gm: fx.GraphModule) -> None:
             value = node.meta["val"]
             value = tuple(value) if isinstance(value, torch.Size) else value
             for user in list(node.users):
-                user.args = fx.node.map_arg(user.args, lambda a: value if a is node else a)
-                user.kwargs = fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
+                user.args = fx.node.map_arg(user.args, lambda a, value=value, node=node: value if a is node else a)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda a, value=value, node=node: value if a is node else a)
     gm.graph.eliminate_dead_code()
 
 

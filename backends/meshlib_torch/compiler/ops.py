@@ -50,7 +50,9 @@ def pointwise(
 ) -> list[Strategy]:
     """Output sharded like its inputs (or like a `hint`, an output shard worth trying);
     whole; or, from the input tuples in `partial`, a partial sum."""
-    out_shards = [Shard(_input_dim_to_out(v, v.tensors[i], s.dim), s.groups) for i, s in enumerate(cur) if isinstance(s, Shard)]
+    out_shards = [
+        Shard(_input_dim_to_out(v, v.tensors[i], s.dim), s.groups) for i, s in enumerate(cur) if isinstance(s, Shard)
+    ]
     out: list[Strategy] = []
     for o in out_shards + [h for h in hint if h.dim < len(v.out_shape)]:
         ins = []
@@ -269,7 +271,10 @@ def expand(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
 def repeat_interleave(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     if not isinstance(v.p.get("repeats"), int) or v.p.get("dim") is None:
         return [Strategy((R,), R)]
-    return [Strategy((s,), s) for s in _shards(cur) if s.groups == 1] + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
+    return [Strategy((s,), s) for s in _shards(cur) if s.groups == 1] + [
+        Strategy((PARTIAL,), PARTIAL),
+        Strategy((R,), R),
+    ]
 
 
 def split(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:

@@ -150,7 +150,9 @@ def _plan_op(view: OpView, plans: dict, axes: Axes, avail: dict) -> NodePlan:
         strat = _choose(view, cur, axes, i, shapes, avail)
         for x, lay, p in zip(view.tensors, need, strat.inputs):
             lay[i] = p
-            avail.setdefault((x, i), {lay_i for lay_i in (plans[x].out[i],)} if not isinstance(plans[x].out[0], tuple) else set()).add(p)
+            avail.setdefault(
+                (x, i), {lay_i for lay_i in (plans[x].out[i],)} if not isinstance(plans[x].out[0], tuple) else set()
+            ).add(p)
         out_per_axis.append(strat.output)
     if multi:
         out = tuple(tuple(o[k] for o in out_per_axis) for k in range(len(view.out)))

@@ -77,7 +77,7 @@ def partial_grad_params(plans: dict[fx.Node, NodePlan], axes: Axes, deferred: tu
     """Parameters whose gradient arrives as a partial sum over a deferred axis (the runtime sums them)."""
     batch = batch_dependence(plans, axes)
     partial: set[fx.Node] = set()
-    for node, plan in plans.items():
+    for _node, plan in plans.items():
         for x, need in zip(plan.view.tensors, plan.need):
             if any(
                 axes.names[i] in deferred and not batch[x][i] and _is_partial_grad(need, plan.out, _requires_grad(x), i)
@@ -156,7 +156,8 @@ def _insert(gm, specs, x, have, need, grad_dst, first_user, val=None) -> fx.Node
     val = x.meta["val"] if val is None else val
     spec = CommSpec(
         name, have, need, grad_dst, tuple(val.shape), val.dtype, bool(val.requires_grad),
-        x.name, first_user.name, str(getattr(first_user.target, "__name__", first_user.target)), source_line(first_user),
+        x.name, first_user.name, str(getattr(first_user.target, "__name__", first_user.target)),
+        source_line(first_user),
     )  # fmt: skip
     specs.append(spec)
     with gm.graph.inserting_before(first_user):
@@ -176,14 +177,17 @@ def collective_records(specs: list[CommSpec], axes: Axes) -> list[dict]:
             for k, axis, a, b in spec.steps(axes, phase):
                 lay = spec.src if phase == "forward" else spec.grad_dst
                 ways = math.prod(
-                    n for name, p, n in zip(axes.names, lay, axes.sizes) if name != axis and not isinstance(p, (Replicate, Partial))
+                    n
+                    for name, p, n in zip(axes.names, lay, axes.sizes)
+                    if name != axis and not isinstance(p, (Replicate, Partial))
                 )
                 payload = math.prod(spec.shape) * itemsize // ways
                 n = dict(zip(axes.names, axes.sizes))[axis]
                 out.append(
                     dict(
                         kind=k, axes=(axis,), bytes=int(payload), node=spec.producer, op=spec.op, source=spec.source,
-                        reason=f"{a!r}->{b!r}", phase=phase, group=n, bus=bus_bytes(k, payload, n), consumer=spec.consumer,
+                        reason=f"{a!r}->{b!r}", phase=phase, group=n, bus=bus_bytes(k, payload, n),
+                        consumer=spec.consumer,
                     )
                 )  # fmt: skip
     return out

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch import nn
+
 from meshlib import Boundary
 from meshlib.cost import min_max_partition
-from torch import nn
 
 from .shapes import local_shape
 
@@ -216,17 +217,27 @@ def build_stages(
     outputs = live + [None]
     graphs = [_stage_graph(graph, where, s, inputs[s], outputs[s]) for s in range(n)]
     sends = [tuple(_boundary(by_name[v], axes, plans) for v in live[b]) for b in range(n - 1)] + [()]
-    return StageGraphs(graphs, list(ranges), inputs, [o if o is not None else ["output"] for o in outputs], sends, params)
+    return StageGraphs(
+        graphs, list(ranges), inputs, [o if o is not None else ["output"] for o in outputs], sends, params
+    )
 
 
 def _boundary(node: fx.Node, axes, plans) -> Boundary:
     val = node.meta["val"]
     layout = plans[node].out if node in plans and plans[node].out is not None else None
-    shape = local_shape(tuple(val.shape), layout, axes.sizes) if isinstance(layout, tuple) and layout and not isinstance(layout[0], tuple) else tuple(val.shape)
-    return Boundary(node.name, tuple(shape), str(val.dtype).removeprefix("torch."), math.prod(shape) * val.element_size())
+    shape = (
+        local_shape(tuple(val.shape), layout, axes.sizes)
+        if isinstance(layout, tuple) and layout and not isinstance(layout[0], tuple)
+        else tuple(val.shape)
+    )
+    return Boundary(
+        node.name, tuple(shape), str(val.dtype).removeprefix("torch."), math.prod(shape) * val.element_size()
+    )
 
 
-def _stage_graph(graph: fx.Graph, where: dict[str, int], s: int, inputs: list[str], outputs: list[str] | None) -> fx.Graph:
+def _stage_graph(
+    graph: fx.Graph, where: dict[str, int], s: int, inputs: list[str], outputs: list[str] | None
+) -> fx.Graph:
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     by_name = {n.name: n for n in graph.nodes}

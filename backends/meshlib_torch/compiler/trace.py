@@ -266,7 +266,7 @@ def _split_linear_bias(gm: fx.GraphModule) -> None:
             with graph.inserting_after(node):
                 add = graph.call_function(operator.add, (node, bias))
             add.meta = {k: v for k, v in node.meta.items() if k != "val"}
-            node.replace_all_uses_with(add, delete_user_cb=lambda user: user is not add)
+            node.replace_all_uses_with(add, delete_user_cb=lambda user, add=add: user is not add)
 
 
 # -- values -------------------------------------------------------------------------------

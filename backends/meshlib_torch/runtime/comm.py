@@ -42,7 +42,9 @@ class CommCounter:
         self.calls = 0
 
     def total(self, *, kind: str | None = None, axis: str | None = None) -> int:
-        return sum(b for (_, k, a), b in self.by_kind.items() if (kind is None or k == kind) and (axis is None or a == axis))
+        return sum(
+            b for (_, k, a), b in self.by_kind.items() if (kind is None or k == kind) and (axis is None or a == axis)
+        )
 
     def snapshot(self) -> dict:
         return {"by_kind": dict(self.by_kind), "by_source": dict(self.by_source), "calls": self.calls}

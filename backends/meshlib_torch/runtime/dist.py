@@ -10,6 +10,9 @@ group is first made.
 Every group gets a bounded timeout. `init_process_group(timeout=...)` applies
 only to the world group: DeviceMesh sub-groups fall back to torch's 30-minute
 default, so a rank that skips a collective would hang its peers for half an hour.
+The timeout is given to each group when it is made (`backend_override` options),
+not set afterwards: gloo fixes the timeout of a send/recv wait, which is what
+pipeline stages use, when the group's context is created.
 
 Example (under torchrun with 4 processes):
 
@@ -75,8 +78,16 @@ def device_mesh(mesh: Mesh, *, timeout: float | None = None) -> DeviceMesh:
     mesh.check_world_size(c10d.get_world_size())
     key = (mesh, timeout)
     if key not in _MESHES:
-        dm = init_device_mesh(device_type(), mesh.axis_sizes, mesh_dim_names=mesh.axis_names)
         limit = _world_timeout() if timeout is None else timedelta(seconds=timeout)
+        world = c10d.get_world_size()
+        override = {  # a world-wide axis with the world's timeout keeps the world group
+            name: _options(limit)
+            for name, size in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
+            if size != world or limit != _world_timeout()
+        }
+        dm = init_device_mesh(
+            device_type(), mesh.axis_sizes, mesh_dim_names=mesh.axis_names, backend_override=override or None
+        )
         _TIMEOUTS[id(dm)] = limit
         for name, pg in zip(mesh.axis_names, dm.get_all_groups(), strict=True):
             _set_timeout(pg, limit)
@@ -108,8 +119,9 @@ def group(dm: DeviceMesh, axes: str | tuple[str, ...]) -> c10d.ProcessGroup:
         return dm.get_group(axes[0])
     key = (id(dm), axes)
     if key not in _GROUPS:
-        pg = dm[axes]._flatten("_".join(axes)).get_group()
-        _set_timeout(pg, _TIMEOUTS.get(id(dm)) or _world_timeout())
+        limit = _TIMEOUTS.get(id(dm)) or _world_timeout()
+        pg = dm[axes]._flatten("_".join(axes), backend_override=_options(limit)).get_group()
+        _set_timeout(pg, limit)
         _check_order(dm, axes, pg)
         _GROUPS[key] = (dm, pg)
     return _GROUPS[key][1]
@@ -127,6 +139,13 @@ def shutdown() -> None:
 def _world_timeout() -> timedelta:
     """The timeout the world group was created with."""
     return c10d.group.WORLD._get_backend(torch.device(device_type())).options._timeout
+
+
+def _options(limit: timedelta) -> tuple:
+    """(backend, options) that make a new group with timeout `limit`: the device type picks the class."""
+    options = c10d.ProcessGroupNCCL.Options() if backend() == "nccl" else c10d.ProcessGroupGloo._Options()
+    options._timeout = limit
+    return backend(), options
 
 
 def _set_timeout(pg: c10d.ProcessGroup, limit: timedelta) -> None:

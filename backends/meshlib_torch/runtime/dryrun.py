@@ -21,8 +21,8 @@ from torch import nn
 
 from ..compiler.compile import Compiled
 from ..compiler.placements import natural_grad
-from ..compiler.split import layer_paths, split_graph
 from ..compiler.shapes import local_shape
+from ..compiler.split import layer_paths, split_graph
 from ..compiler.trace import _set_attr
 from .memtrack import PeakTracker
 from .recompute import Recompute
@@ -83,7 +83,10 @@ def _dry_graph(graph: fx.Graph) -> fx.Graph:
 
 
 def _param_bytes(compiled: Compiled, dtype: torch.dtype) -> dict[str, int]:
-    return {n: math.prod(compiled.local_param_shape(n)) * torch.empty((), dtype=dtype).element_size() for n in compiled.traced.params}
+    return {
+        n: math.prod(compiled.local_param_shape(n)) * torch.empty((), dtype=dtype).element_size()
+        for n in compiled.traced.params
+    }
 
 
 def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str, int]:
@@ -101,7 +104,9 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
         params[name] = nn.Parameter(t, requires_grad=p.requires_grad)
         _set_attr(root, name, params[name])
     for name, b in compiled.buffers.items():
-        _set_attr(root, name, torch.empty(tuple(b.shape), dtype=compute if b.is_floating_point() else b.dtype, device="meta"))
+        _set_attr(
+            root, name, torch.empty(tuple(b.shape), dtype=compute if b.is_floating_point() else b.dtype, device="meta")
+        )
     for spec in compiled.comms:
         root.add_module(spec.name, DryComm(spec, axes.sizes))
     for spec in compiled.specials:
@@ -146,7 +151,7 @@ def _model_state(compiled, params, full, compute, mixed, n_dp) -> dict:
     ZeRO-3 and -2's rest), fp32 masters (mixed precision, sharded from ZeRO-1), two moments."""
     zero = compiled.options.zero
     out = []
-    for name, p in params.items():
+    for _name, p in params.items():
         numel = p.numel()
         if zero >= 2:  # FSDP2: a full-precision shard is the parameter (and the master)
             out.append(torch.empty(math.ceil(numel / n_dp), dtype=full, device="meta"))

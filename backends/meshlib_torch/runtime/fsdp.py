@@ -41,7 +41,9 @@ class CountedAllGather(_Alloc, AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-        self.counter.record(phase, "all_gather", self.axis, output_tensor.numel() * output_tensor.element_size(), "fsdp")
+        self.counter.record(
+            phase, "all_gather", self.axis, output_tensor.numel() * output_tensor.element_size(), "fsdp"
+        )
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return fn(output_tensor, input_tensor, group=group, async_op=async_op)
 
@@ -51,7 +53,9 @@ class CountedReduceScatter(_Alloc, ReduceScatter):
         self.axis, self.counter = axis, counter
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.counter.record("backward", "reduce_scatter", self.axis, input_tensor.numel() * input_tensor.element_size(), "fsdp")
+        self.counter.record(
+            "backward", "reduce_scatter", self.axis, input_tensor.numel() * input_tensor.element_size(), "fsdp"
+        )
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return fn(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 

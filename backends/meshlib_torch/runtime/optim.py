@@ -109,7 +109,9 @@ class MeshAdamW:
         self.scaler: LossScaler | None = None
 
     # -- masters ---------------------------------------------------------------------------------
-    def _sharded_master(self, name: str, p: torch.nn.Parameter, start, layout, mesh_axes, separate: bool) -> torch.Tensor:
+    def _sharded_master(
+        self, name: str, p: torch.nn.Parameter, start, layout, mesh_axes, separate: bool
+    ) -> torch.Tensor:
         local = _local(start)
         d = _shard_dim(tuple(local.shape), self.dp_size, layout)
         self.shard_dim[name] = d
@@ -123,7 +125,9 @@ class MeshAdamW:
         from .parallel import torch_placements
 
         global_shape = tuple(p.shape)
-        dt = DTensor.from_local(piece, p.device_mesh, torch_placements(placements), shape=global_shape, stride=p.stride())
+        dt = DTensor.from_local(
+            piece, p.device_mesh, torch_placements(placements), shape=global_shape, stride=p.stride()
+        )
         return torch.nn.Parameter(dt)
 
     # -- the step -------------------------------------------------------------------------------------
@@ -197,7 +201,9 @@ class MeshAdamW:
 
 def _as_like(master: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
     if isinstance(master, DTensor):
-        return DTensor.from_local(local_grad, master.device_mesh, master.placements, shape=master.shape, stride=master.stride())
+        return DTensor.from_local(
+            local_grad, master.device_mesh, master.placements, shape=master.shape, stride=master.stride()
+        )
     return local_grad
 
 
@@ -210,7 +216,9 @@ def _fp32_copy(p: torch.Tensor) -> torch.nn.Parameter:
     if isinstance(p.data, DTensor):
         d = p.data
         local = d._local_tensor.detach().to(_master_dtype(d._local_tensor)).clone()
-        return torch.nn.Parameter(DTensor.from_local(local, d.device_mesh, d.placements, shape=d.shape, stride=d.stride()))
+        return torch.nn.Parameter(
+            DTensor.from_local(local, d.device_mesh, d.placements, shape=d.shape, stride=d.stride())
+        )
     return torch.nn.Parameter(p.detach().to(_master_dtype(p)).clone())
 
 
@@ -222,7 +230,11 @@ def _master_layout(layout, mesh_axes, dp_axis: str, local_dim: int, local_shape)
     """
     names = list(mesh_axes.names)
     i = names.index(dp_axis)
-    groups = math.prod(n for j, (p, n) in enumerate(zip(layout, mesh_axes.sizes)) if j > i and isinstance(p, pl.Shard) and p.dim == local_dim)
+    groups = math.prod(
+        n
+        for j, (p, n) in enumerate(zip(layout, mesh_axes.sizes))
+        if j > i and isinstance(p, pl.Shard) and p.dim == local_dim
+    )
     out = list(layout)
     out[i] = pl.Shard(local_dim, groups)
     return tuple(out)

@@ -9,6 +9,7 @@ group, and returns a `Parallel` module. Its forward takes the global batch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -16,8 +17,6 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-
-import math
 
 from meshlib import Mesh, Precision
 
@@ -28,9 +27,9 @@ from ..compiler.trace import _set_attr
 from . import dist as mdist
 from .comm import COUNTER, Comm, local_slice
 from .fsdp import apply_fsdp, set_sync, unshardable
+from .materialize import init_local
 from .optim import GradSync, LossScaler, MeshAdamW
 from .recompute import Recompute
-from .materialize import init_local
 from .special import CrossEntropy, VocabEmbedding
 
 
@@ -247,9 +246,9 @@ def parallelize(
         left = {id(p) for p in unshardable(gm)}  # before fully_shard replaces the parameters
         shard = tuple(a for a in data if a not in opts.replicate_axes)
         par.fsdp_units = apply_fsdp(
-            gm, [getattr(gm, b) for b in blocks], dm, zero=opts.zero, shard_axes=shard, replicate_axes=opts.replicate_axes,
-            param_dtype=compute, reduce_dtype=_dtype(opts.precision.reduce), output_dtype=None, offload=offload,
-            prefetch=prefetch,
+            gm, [getattr(gm, b) for b in blocks], dm, zero=opts.zero, shard_axes=shard,
+            replicate_axes=opts.replicate_axes, param_dtype=compute, reduce_dtype=_dtype(opts.precision.reduce),
+            output_dtype=None, offload=offload, prefetch=prefetch,
         )  # fmt: skip
         whole = {n: p for n, p in par.named_model_parameters().items() if id(p) in left}
         if whole:
@@ -286,7 +285,11 @@ def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, buffer_d
     """The local GraphModule for this rank: parameters (the names in `only`, else all), buffers,
     collectives and special ops."""
     mesh, axes = compiled.mesh, compiled.axes
-    device = torch.device(mdist.device_type(), torch.cuda.current_device()) if mdist.device_type() == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(mdist.device_type(), torch.cuda.current_device())
+        if mdist.device_type() == "cuda"
+        else torch.device("cpu")
+    )
     rank = torch.distributed.get_rank()
     coords = mesh.coords(rank)
     groups = {a: mdist.group(dm, a) for a in mesh.axis_names}
@@ -295,7 +298,9 @@ def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, buffer_d
         if only is not None and name not in only:
             continue  # another pipeline stage's
         layout = compiled.param_layouts[name]
-        local = init_local(name, tuple(p.shape), p.dtype, layout, axes.sizes, [coords[a] for a in axes.names], init, seed)
+        local = init_local(
+            name, tuple(p.shape), p.dtype, layout, axes.sizes, [coords[a] for a in axes.names], init, seed
+        )
         dt = DTensor.from_local(local.to(device), dm, torch_placements(layout), shape=p.shape, stride=_stride(p.shape))
         _set_attr(root, name, nn.Parameter(dt, requires_grad=p.requires_grad))
     for name, b in _real_buffers(model, compiled).items():
@@ -322,7 +327,7 @@ def _real_buffers(model: nn.Module, compiled: Compiled) -> dict[str, torch.Tenso
     names = set(compiled.buffers)
     bufs = dict(model.named_buffers())
     if any(b.is_meta for n, b in bufs.items() if n in names):
-        for mod_name, mod in model.named_modules():
+        for _mod_name, mod in model.named_modules():
             for bname, b in list(mod.named_buffers(recurse=False)):
                 if b.is_meta:
                     setattr(mod, bname, torch.empty_like(b, device="cpu"))

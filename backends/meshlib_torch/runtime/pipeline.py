@@ -22,7 +22,6 @@ import itertools
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from meshlib import schedule as core_schedule
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -33,11 +32,18 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining import schedules as _torch_schedules
 
+from meshlib import schedule as core_schedule
+
 from ..compiler.fqn_split import EagerStages
 from ..compiler.shapes import local_shape
 from .comm import COUNTER
 
-_TORCH = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble}
+_TORCH = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+}
 
 
 def _loss(output, target):
@@ -53,7 +59,9 @@ class Pipelined(nn.Module):
     (`make_schedule(..., scale_grads=False)`), each parameter's is divided once by it here.
     """
 
-    def __init__(self, par, stage_graphs, local: list[int], modules: list[nn.Module], sched, core, pp_group, microbatches):
+    def __init__(
+        self, par, stage_graphs, local: list[int], modules: list[nn.Module], sched, core, pp_group, microbatches
+    ):
         super().__init__()
         self.par, self.stage_graphs, self.local, self.core = par, stage_graphs, local, core
         self.stage_modules = nn.ModuleList(modules)
@@ -121,23 +129,41 @@ class Pipelined(nn.Module):
             self.par.grad_sync.enabled = False
         if self.first:
             target = torch.zeros(local[0].shape[0]) if self.last else None
-            self.schedule.step(*local, target=target, losses=losses if self.last else None, return_outputs=False)
+            self._step(*local, target=target, losses=losses if self.last else None)
         elif self.last:
-            self.schedule.step(target=torch.zeros(local[0].shape[0]), losses=losses, return_outputs=False)
+            self._step(target=torch.zeros(local[0].shape[0]), losses=losses)
         else:
-            self.schedule.step(return_outputs=False)
+            self._step()
         if self.grad_divisor != 1:  # once per parameter, however many local stages hold it
             for p in self.named_model_parameters().values():
                 if p.grad is not None:
                     p.grad.div_(self.grad_divisor)
         self.sync_gradients()
         self.last_grad_norm = self.grad_norm()
-        value = torch.stack([x.detach().to(torch.float64) for x in losses]).mean() if losses else torch.zeros((), dtype=torch.float64)
+        value = (
+            torch.stack([x.detach().to(torch.float64) for x in losses]).mean()
+            if losses
+            else torch.zeros((), dtype=torch.float64)
+        )
         dist.broadcast(value, src=self.last_rank, group=self.pp_group)
         COUNTER.record("step", "broadcast", "pp", 8, "loss")
         opt.step()
         opt.zero_grad()
         return float(value)
+
+    def _step(self, *args, **kwargs) -> None:
+        """Run the torch schedule; a send or receive past the group's timeout raises TimeoutError."""
+        try:
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        except RuntimeError as err:
+            if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+                raise
+            raise TimeoutError(
+                f"pipeline step timed out on rank {dist.get_rank()} (stages {sorted(self.local)}, schedule "
+                f"{self.core.name}) waiting for a send or receive between pp ranks: {err}. A peer rank died, "
+                "skipped the step or is far slower. Fix: check the other ranks' errors; if the stages are "
+                "just slow, raise `timeout=` (seconds) in parallelize"
+            ) from err
 
     def sync_gradients(self) -> None:
         """Sum the data-parallel partial gradients once, and tied parameters' between their stages."""
@@ -160,7 +186,9 @@ def placement(name: str, p: int, v: int) -> tuple[int, ...]:
     return core_schedule(name, p, max(p, 2 * p), v if name != "zbv" else None).placement
 
 
-def build(par, stage_graphs, root: nn.Module, *, schedule_name: str, microbatches: int, v: int, pp_axis: str, dm, device):
+def build(
+    par, stage_graphs, root: nn.Module, *, schedule_name: str, microbatches: int, v: int, pp_axis: str, dm, device
+):
     """The PipelineStages of this rank and the schedule (call on every rank)."""
     from . import dist as mdist
 
@@ -286,7 +314,10 @@ def parallelize_pipeline(
     device = next((b.device for b in root.buffers()), torch.device("cpu"))
     stages.graphs = [_retarget_devices(g, device) for g in stages.graphs]
     data_grad_sync(par, dm)
-    pipe = build(par, stages, root, schedule_name=name, microbatches=microbatches, v=core.v, pp_axis=pp_axis, dm=dm, device=device)
+    pipe = build(
+        par, stages, root,
+        schedule_name=name, microbatches=microbatches, v=core.v, pp_axis=pp_axis, dm=dm, device=device,
+    )  # fmt: skip
     pipe.tied_groups = tied_groups(stages, core, compiled, pp_axis)
     return pipe
 
@@ -332,7 +363,9 @@ def compile_pipeline(
             f"multiple of the microbatch count, or pick a count that divides {batch}"
         )
     if zero_level(zero) >= 2:
-        raise ValueError("pipeline parallelism composes with zero=0 or 1 here; ZeRO-2/3 (FSDP2) inside stages is not built yet")
+        raise ValueError(
+            "pipeline parallelism composes with zero=0 or 1 here; ZeRO-2/3 (FSDP2) inside stages is not built yet"
+        )
     core = core_schedule(name, p, microbatches, v)  # checks p, m and v before any communication
     micro = tuple(x.chunk(microbatches)[0] if torch.is_tensor(x) else x for x in example_inputs)
     layers = layer_paths(model)
@@ -375,12 +408,26 @@ def _plan_with_stages(plan, stages, core, layers: list[str], m: int, pp_axis: st
         mods = tuple(layers[a:b])
         out.append(Stage(s, core.placement[s], mods, stages.costs[s] if stages.costs else 0.0, tuple(sends)))
         for bnd in sends:
-            records.append(Collective("send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s} -> {s + 1}", "forward", m, 2))
+            records.append(
+                Collective(
+                    "send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s} -> {s + 1}",
+                    "forward", m, 2,
+                )
+            )  # fmt: skip
             if bnd.dtype.startswith(("float", "bfloat")):
-                records.append(Collective("send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s + 1} -> {s}", "backward", m, 2))
+                records.append(
+                    Collective(
+                        "send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s + 1} -> {s}",
+                        "backward", m, 2,
+                    )
+                )  # fmt: skip
     notes = dict(plan.notes) | {"stage split": f"{split}, balanced by {stages.balance}"}
     return plan.replace(
-        stages=tuple(out), schedule=core.name, microbatches=m, collectives=plan.collectives + tuple(records), notes=tuple(notes.items())
+        stages=tuple(out),
+        schedule=core.name,
+        microbatches=m,
+        collectives=plan.collectives + tuple(records),
+        notes=tuple(notes.items()),
     )
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshlib import Mesh, Precision
-from torch.distributed.tensor import DTensor
 
 from .. import data, models
 from ..runtime.materialize import init_full
@@ -265,7 +265,9 @@ class _Progress:
             except ImportError:
                 self._bar = None
             else:
-                self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+                self._bar = Progress(
+                    TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+                )
                 self._bar.__enter__()
                 self._task = self._bar.add_task(self.title, total=self.total)
         return self
@@ -316,4 +318,6 @@ def _assert_close(ref: RunResult, par: RunResult, rtol: float, atol: float) -> N
     torch.testing.assert_close(torch.tensor(par.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
     torch.testing.assert_close(torch.tensor(par.grad_norms), torch.tensor(ref.grad_norms), rtol=rtol, atol=atol)
     for name in ref.params:
-        torch.testing.assert_close(par.params[name], ref.params[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            par.params[name], ref.params[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
