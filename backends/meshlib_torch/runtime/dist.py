@@ -90,7 +90,6 @@ def device_mesh(mesh: Mesh, *, timeout: float | None = None) -> DeviceMesh:
         )
         _TIMEOUTS[id(dm)] = limit
         for name, pg in zip(mesh.axis_names, dm.get_all_groups(), strict=True):
-            _set_timeout(pg, limit)
             _check_order(dm, (name,), pg)
         _MESHES[key] = dm
     return _MESHES[key]
@@ -121,7 +120,6 @@ def group(dm: DeviceMesh, axes: str | tuple[str, ...]) -> c10d.ProcessGroup:
     if key not in _GROUPS:
         limit = _TIMEOUTS.get(id(dm)) or _world_timeout()
         pg = dm[axes]._flatten("_".join(axes), backend_override=_options(limit)).get_group()
-        _set_timeout(pg, limit)
         _check_order(dm, axes, pg)
         _GROUPS[key] = (dm, pg)
     return _GROUPS[key][1]
@@ -146,10 +144,6 @@ def _options(limit: timedelta) -> tuple:
     options = c10d.ProcessGroupNCCL.Options() if backend() == "nccl" else c10d.ProcessGroupGloo._Options()
     options._timeout = limit
     return backend(), options
-
-
-def _set_timeout(pg: c10d.ProcessGroup, limit: timedelta) -> None:
-    c10d.distributed_c10d._set_pg_timeout(limit, pg)
 
 
 def _check_order(dm: DeviceMesh, axes: tuple[str, ...], pg: c10d.ProcessGroup) -> None:
