@@ -58,7 +58,10 @@ class Collective:
 
     @property
     def bus_bytes(self) -> float:
-        """Bytes each rank sends in a ring: 2(n-1)/n of the payload for an all-reduce, (n-1)/n otherwise."""
+        """Bytes each rank sends in a ring: 2(n-1)/n of the payload for an all-reduce, (n-1)/n otherwise;
+        a point-to-point send moves its whole payload."""
+        if self.kind == "send_recv":
+            return float(self.total_bytes)
         n = self.group
         factor = 2.0 if self.kind == "all_reduce" else 1.0
         return factor * self.total_bytes * (n - 1) / n if n > 1 else 0.0

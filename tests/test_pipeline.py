@@ -18,7 +18,7 @@ from meshlib import Mesh, bubble_formula, schedule, simulate
 from meshlib_torch import COUNTER, parallelize
 from meshlib_torch.models import build, config, default_rules
 from meshlib_torch.runtime import dist as mdist
-from meshlib_torch.testing.parity import RunConfig, compare, train_parallel, train_reference
+from meshlib_torch.testing.parity import RunConfig, compare, pipeline_sends, train_parallel, train_reference
 from meshlib_torch.testing.pool import close_all, get_pool
 
 pytestmark = pytest.mark.ranks
@@ -26,10 +26,12 @@ pytestmark = pytest.mark.ranks
 
 def _check(**kw):
     run = RunConfig(**kw)
-    result = get_pool(Mesh.parse(run.mesh).size).run(train_parallel, run)[0]
-    diffs = compare(train_reference(run), result, run.tolerance)
+    results = get_pool(Mesh.parse(run.mesh).size).run(train_parallel, run)
+    diffs = compare(train_reference(run), results[0], run.tolerance)
     assert diffs["loss"] < 1e-12
-    return result
+    sent, planned = pipeline_sends(results)
+    assert planned["forward"] > 0 and sent == planned
+    return results[0]
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from meshlib_torch.models import config, default_rules
 from meshlib_torch.models.llama import Llama
 from meshlib_torch.runtime import dist as mdist
 from meshlib_torch.runtime.pipeline import compile_pipeline
-from meshlib_torch.testing.parity import RunConfig, compare, train_parallel, train_reference
+from meshlib_torch.testing.parity import RunConfig, compare, pipeline_sends, train_parallel, train_reference
 from meshlib_torch.testing.pool import get_pool
 
 pytestmark = pytest.mark.ranks
@@ -76,9 +76,12 @@ def test_parity_with_the_single_process_run(mesh, sched, layers):
         model="llama-tiny", mesh=mesh, microbatches=2, schedule=sched, overrides={"n_layers": layers},
         model_class=UntraceableLlama,
     )  # fmt: skip
-    result = get_pool(Mesh.parse(mesh).size).run(train_parallel, run)[0]
+    results = get_pool(Mesh.parse(mesh).size).run(train_parallel, run)
+    result = results[0]
     diffs = compare(train_reference(run), result, run.tolerance)
     assert diffs["loss"] < 1e-12
+    sent, planned = pipeline_sends(results)
+    assert planned["forward"] > 0 and sent == planned
     assert result.plan.note_map["stage split"] == "by module FQN on the eager model, balanced by flops"
     if "dp" in mesh:  # the tied embedding lives on both stages; its gradient is summed between them
         assert ("backward", "all_reduce", "pp") in result.comm["by_kind"]

@@ -68,6 +68,10 @@ def test_tables_and_totals():
         notes={"trace": "fx"},
     )
     assert plan.comm_bytes() == 3 * 4096 and plan.comm_bytes(kind="all_gather") == 0
+    # ring bus bytes: 2(n-1)/n of an all-reduce's payload, (n-1)/n of a gather's; a send moves all of it
+    assert Collective("all_reduce", ("tp",), 1000, count=4, group=2).bus_bytes == 4000
+    assert Collective("send_recv", ("pp",), 1000, count=4, group=2).bus_bytes == 4000
+    assert Collective("all_gather", ("dp",), 1000, count=4, group=4).bus_bytes == 3000
     text = str(plan)
     for piece in ("layers.0.wq.weight", "P('tp', None)", "model.py:12", "Partial(tp) -> Replicate", "total 12.00 KiB", "trace"):
         assert piece in text

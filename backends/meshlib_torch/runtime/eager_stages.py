@@ -33,7 +33,7 @@ from . import dist as mdist
 from .comm import COUNTER
 from .materialize import init_full
 from .parallel import Parallel, _cast_params, _dtype, _real_buffers
-from .pipeline import Pipelined, data_grad_sync, make_schedule, tied_groups
+from .pipeline import Pipelined, count_sends, data_grad_sync, make_schedule, tied_groups
 
 
 class _MeanOver(torch.autograd.Function):
@@ -82,6 +82,7 @@ def build_eager(model: nn.Module, compiled, stages: EagerStages, core, *, init, 
                       output_args=_zeros(stages.outputs[s], device, grad=s < n - 1), group=pp_group)
         for s, mod in zip(local, modules, strict=True)
     ]  # fmt: skip
+    count_sends(piped, pp_axis)
     sched = make_schedule(piped, core, microbatches, scale_grads=False)  # a tied parameter on two local stages
     pipe = Pipelined(par, stages, local, modules, sched, core, pp_group, microbatches)
     pipe.grad_divisor = microbatches

@@ -211,10 +211,30 @@ def build(
                 output_args=_example(compiled, stage_graphs.outputs[s], device), group=group,
             )  # both given: no shape-inference forward on uninitialized buffers
         )  # fmt: skip
+    count_sends(stages, pp_axis)
     sched = make_schedule(stages, core, microbatches, scale_grads=False)  # a tied parameter on two local stages
     pipe = Pipelined(par, stage_graphs, local, modules, sched, core, group, microbatches)
     pipe.grad_divisor = microbatches
     return pipe
+
+
+def count_sends(stages: list[PipelineStage], pp_axis: str) -> None:
+    """Record in `COUNTER` the bytes of every send of these stages: torch's schedules build their
+    forward and backward sends from the stage's `get_fwd_send_ops` / `get_bwd_send_ops`."""
+    for stage in stages:
+        for method, phase, step in (("get_fwd_send_ops", "forward", 1), ("get_bwd_send_ops", "backward", -1)):
+            where = f"stage {stage.stage_index} -> {stage.stage_index + step}"
+            setattr(stage, method, _counted(getattr(stage, method), phase, pp_axis, where))
+
+
+def _counted(send_ops, phase: str, axis: str, where: str):
+    def counted(chunk: int) -> list:
+        ops = send_ops(chunk)
+        for op in ops:
+            COUNTER.record(phase, "send_recv", axis, op.tensor.numel() * op.tensor.element_size(), where)
+        return ops
+
+    return counted
 
 
 def make_schedule(stages: list[PipelineStage], core, microbatches: int, loss_fn=_loss, *, scale_grads: bool = True):
@@ -407,6 +427,8 @@ def _plan_with_stages(plan, stages, core, layers: list[str], m: int, pp_axis: st
     for s, ((a, b), sends) in enumerate(zip(stages.layers, stages.sends)):
         mods = tuple(layers[a:b])
         out.append(Stage(s, core.placement[s], mods, stages.costs[s] if stages.costs else 0.0, tuple(sends)))
+        if s + 1 < len(core.placement) and core.placement[s] == core.placement[s + 1]:
+            continue  # the next stage is on this rank (the V's turn): torch hands the tensors over, no send
         for bnd in sends:
             records.append(
                 Collective(

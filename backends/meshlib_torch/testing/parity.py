@@ -287,6 +287,22 @@ class _Progress:
             self._bar.__exit__(*exc)
 
 
+def pipeline_sends(results: list[RunResult]) -> tuple[dict[str, int], dict[str, int]]:
+    """Pipeline bytes of the last step by phase, summed over every rank of a pipelined run: those
+    counted at torch's send ops, and the plan's `send_recv` records (per rank of one pp group)
+    times the number of pp groups. Equal when the plan predicts the traffic."""
+    plan = results[0].plan
+    sent = {"forward": 0, "backward": 0}
+    for result in results:
+        for (phase, kind, _), nbytes in result.comm["by_kind"].items():
+            if kind == "send_recv":
+                sent[phase] += nbytes
+    records = [c for c in plan.collectives if c.kind == "send_recv"]
+    groups = plan.mesh.size // plan.mesh.axis_size(records[0].axes[0]) if records else 0
+    planned = {phase: groups * sum(c.total_bytes for c in records if c.phase == phase) for phase in sent}
+    return sent, planned
+
+
 def compare(ref: RunResult, par: RunResult, dtype: torch.dtype, *, check: bool = True) -> dict:
     """Max differences (and "ok": within tolerance); with `check`, raise naming what differs."""
     rtol, atol = TOLERANCE[dtype]
