@@ -22,7 +22,7 @@ from meshlib.cost import fsdp2_memory, zero_level, zero_memory
 
 from . import annotate as _annotate
 from .localize import SpecialSpec, fold_scalars, localize
-from .placements import Layout, Shard
+from .placements import Layout, Shard, zero1_shard_dim
 from .propagate import Axes, NodePlan, propagate
 from .redistribute import CommSpec, collective_records, insert_comms, partial_grad_params
 from .shapes import local_shape
@@ -219,9 +219,12 @@ def _with_data_parallel(
     for name, p in traced.params.items():
         if name not in synced:
             continue  # its gradient is already whole (computed on activations gathered over the data axes)
-        numel = math.prod(local_shape(tuple(p.shape), layouts[name], axes.sizes))
+        local = local_shape(tuple(p.shape), layouts[name], axes.sizes)
+        zero = options.zero
+        if zero == 1 and n_shard > 1 and zero1_shard_dim(local, n_shard, layouts[name]) is None:
+            zero = 0  # no dim splits evenly: ZeRO-1 keeps it whole and all-reduces its gradient
         for kind, phase, nbytes, over, count in dp_sync_steps(
-            options.zero, numel, param_b, reduce_b, shard, options.replicate_axes, n_shard
+            zero, math.prod(local), param_b, reduce_b, shard, options.replicate_axes, n_shard
         ):
             group = math.prod(sizes[a] for a in over)
             if group > 1:
@@ -324,9 +327,30 @@ def model_state(compiled: Compiled) -> Memory:
     n = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes if a not in opts.replicate_axes) or 1
     if opts.zero >= 2:
         state = fsdp2_memory(psi, n, itemsize=full.itemsize)
-    else:
-        state = zero_memory(psi, n, zero=opts.zero, mixed=mixed, itemsize=full.itemsize)
-    return Memory(params=int(state.params), grads=int(state.grads), optimizer=int(state.optimizer))
+        return Memory(params=int(state.params), grads=int(state.grads), optimizer=int(state.optimizer))
+    whole = sum(math.prod(compiled.local_param_shape(name)) for name in zero1_whole(compiled))
+    state = zero_memory(psi - whole, n, zero=opts.zero, mixed=mixed, itemsize=full.itemsize)
+    kept = zero_memory(whole, 1, zero=0, mixed=mixed, itemsize=full.itemsize)
+    # a whole tensor under ZeRO-1 has its own full-precision master copy beside the two moments
+    return Memory(
+        params=int(state.params + kept.params),
+        grads=int(state.grads + kept.grads),
+        optimizer=int(state.optimizer + 3 * full.itemsize * whole),
+    )
+
+
+def zero1_whole(compiled: Compiled) -> set[str]:
+    """The parameters ZeRO-1 keeps whole on every rank: no dim of their local shard splits evenly
+    over the data-parallel ranks (`placements.zero1_shard_dim`)."""
+    opts = compiled.options
+    n = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes)
+    if opts.zero != 1 or n <= 1:
+        return set()
+    return {
+        name
+        for name in compiled.traced.params
+        if zero1_shard_dim(compiled.local_param_shape(name), n, compiled.param_layouts[name]) is None
+    }
 
 
 def _special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:

@@ -119,3 +119,12 @@ class Pending(__import__("torch").nn.Module):
             f"{self.spec.name} needs process groups: run the compiled model through "
             "meshlib_torch.runtime (e.g. `parallelize`), not the bare graph"
         )
+
+
+def zero1_shard_dim(local_shape: tuple[int, ...], n: int, layout) -> int | None:
+    """The dim of a local shard ZeRO-1 splits over `n` data-parallel ranks: one that divides, and
+    not a dim some axis splits in groups (a fused projection), whose local rows are not contiguous.
+    None: no dim fits, so every rank keeps the whole tensor and its gradient is all-reduced."""
+    grouped = {p.dim for p in layout if isinstance(p, Shard) and p.groups > 1}
+    fits = [d for d, size in enumerate(local_shape) if size % n == 0 and size >= n and d not in grouped]
+    return fits[0] if fits else None

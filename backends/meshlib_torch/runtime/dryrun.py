@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..compiler.compile import Compiled
+from ..compiler.compile import Compiled, zero1_whole
 from ..compiler.placements import natural_grad
 from ..compiler.shapes import local_shape
 from ..compiler.split import layer_paths, split_graph
@@ -150,16 +150,18 @@ def _model_state(compiled, params, full, compute, mixed, n_dp) -> dict:
     """The tensors a rank holds between steps, as meta tensors: parameters (sharded under
     ZeRO-3 and -2's rest), fp32 masters (mixed precision, sharded from ZeRO-1), two moments."""
     zero = compiled.options.zero
+    whole = zero1_whole(compiled)  # ZeRO-1 keeps these whole, with a full-precision master copy
     out = []
-    for _name, p in params.items():
+    for name, p in params.items():
         numel = p.numel()
         if zero >= 2:  # FSDP2: a full-precision shard is the parameter (and the master)
             out.append(torch.empty(math.ceil(numel / n_dp), dtype=full, device="meta"))
         else:
             out.append(p)
-            if mixed:
-                out.append(torch.empty(math.ceil(numel / (n_dp if zero == 1 else 1)), dtype=full, device="meta"))
-        moments = math.ceil(numel / n_dp) if zero >= 1 else numel
+            if mixed or name in whole:
+                split = n_dp if zero == 1 and name not in whole else 1
+                out.append(torch.empty(math.ceil(numel / split), dtype=full, device="meta"))
+        moments = math.ceil(numel / n_dp) if zero >= 1 and name not in whole else numel
         out += [torch.empty(moments, dtype=full, device="meta") for _ in range(2)]
     return {"tensors": out}
 

@@ -63,14 +63,6 @@ class GradSync:
             h.remove()
 
 
-def _shard_dim(local_shape: tuple[int, ...], n: int, layout) -> int | None:
-    """The dim of a local shard to split over `n` data-parallel ranks: one that divides, and not
-    a dim some axis splits in groups (a fused projection), whose local rows are not contiguous."""
-    grouped = {p.dim for p in layout if isinstance(p, pl.Shard) and p.groups > 1}
-    fits = [d for d, size in enumerate(local_shape) if size % n == 0 and size >= n and d not in grouped]
-    return fits[0] if fits else None
-
-
 class MeshAdamW:
     """AdamW over the compiled model's parameters, with optional fp32 masters and ZeRO-1 sharding."""
 
@@ -113,7 +105,7 @@ class MeshAdamW:
         self, name: str, p: torch.nn.Parameter, start, layout, mesh_axes, separate: bool
     ) -> torch.Tensor:
         local = _local(start)
-        d = _shard_dim(tuple(local.shape), self.dp_size, layout)
+        d = pl.zero1_shard_dim(tuple(local.shape), self.dp_size, layout)
         self.shard_dim[name] = d
         if d is None:  # too small to split: every rank keeps the whole (it is a few bytes)
             return _fp32_copy(start)
