@@ -86,8 +86,8 @@ def _resume_job(run: RunConfig, path: str, more: int):
 def _save_then_resume(tmp_path, saver: RunConfig, loader: RunConfig):
     """Save after 2 steps, resume for 2: state bitwise, losses as the saver's own steps 3 and 4."""
     path = str(tmp_path / "ckpt")
-    saved = get_pool(4).run(_save_job, saver, path, 2, 2)
-    resumed = get_pool(4).run(_resume_job, loader, path, 2)
+    saved = get_pool(Mesh.parse(saver.mesh).size).run(_save_job, saver, path, 2, 2)
+    resumed = get_pool(Mesh.parse(loader.mesh).size).run(_resume_job, loader, path, 2)
     want, _, straight = saved[0]
     for rank, (info, got, rng, _) in enumerate(resumed):
         assert info == {"step": 2, "extra": {"data_position": 2 * saver.batch_size}}
@@ -129,8 +129,10 @@ _BF16 = dict(model="llama-tiny", dtype="float32", precision="bf16", lr=1e-3)
         (dict(mesh="dp=2,tp=2", zero=1), dict(mesh="dp=4", zero=0)),
         (dict(mesh="dp=4", zero=1, **_BF16), dict(mesh="dp=2,tp=2", zero=3, **_BF16)),
         (dict(mesh="dp=2,tp=2", zero=3, **_BF16), dict(mesh="dp=4", zero=1, **_BF16)),
+        (dict(mesh="dp=3", zero=1, batch_size=6, **_BF16), dict(mesh="dp=2,tp=2", zero=1, batch_size=6, **_BF16)),
     ],
-    ids=["z0-dp4_to_z3-dp2tp2", "z1-dp2tp2_to_z0-dp4", "bf16-z1-dp4_to_z3-dp2tp2", "bf16-z3-dp2tp2_to_z1-dp4"],
+    ids=["z0-dp4_to_z3-dp2tp2", "z1-dp2tp2_to_z0-dp4", "bf16-z1-dp4_to_z3-dp2tp2", "bf16-z3-dp2tp2_to_z1-dp4",
+         "bf16-z1-dp3-uneven_to_z1-dp2tp2"],
 )
 def test_across_zero_levels(tmp_path, saver, loader):
     """ZeRO-1 masters and moments are strided shards inside tp's; ZeRO-3's are FSDP2's; bf16 runs keep fp32 masters."""

@@ -22,7 +22,7 @@ from meshlib.cost import fsdp2_memory, zero_level, zero_memory
 
 from . import annotate as _annotate
 from .localize import SpecialSpec, fold_scalars, localize
-from .placements import Layout, Shard, zero1_shard_dim
+from .placements import Layout, Shard, zero1_split
 from .propagate import Axes, NodePlan, propagate
 from .redistribute import CommSpec, collective_records, insert_comms, partial_grad_params
 from .shapes import local_shape
@@ -220,11 +220,15 @@ def _with_data_parallel(
         if name not in synced:
             continue  # its gradient is already whole (computed on activations gathered over the data axes)
         local = local_shape(tuple(p.shape), layouts[name], axes.sizes)
-        zero = options.zero
-        if zero == 1 and n_shard > 1 and zero1_shard_dim(local, n_shard, layouts[name]) is None:
-            zero = 0  # no dim splits evenly: ZeRO-1 keeps it whole and all-reduces its gradient
+        zero, numel = options.zero, math.prod(local)
+        if zero == 1 and n_shard > 1:
+            split = zero1_split(local, n_shard, layouts[name])
+            if split is None:
+                zero = 0  # kept whole: its gradient is all-reduced
+            else:
+                numel = split[1]  # an uneven split moves its padding too
         for kind, phase, nbytes, over, count in dp_sync_steps(
-            zero, math.prod(local), param_b, reduce_b, shard, options.replicate_axes, n_shard
+            zero, numel, param_b, reduce_b, shard, options.replicate_axes, n_shard
         ):
             group = math.prod(sizes[a] for a in over)
             if group > 1:
@@ -328,29 +332,35 @@ def model_state(compiled: Compiled) -> Memory:
     if opts.zero >= 2:
         state = fsdp2_memory(psi, n, itemsize=full.itemsize)
         return Memory(params=int(state.params), grads=int(state.grads), optimizer=int(state.optimizer))
-    whole = sum(math.prod(compiled.local_param_shape(name)) for name in zero1_whole(compiled))
-    state = zero_memory(psi - whole, n, zero=opts.zero, mixed=mixed, itemsize=full.itemsize)
-    kept = zero_memory(whole, 1, zero=0, mixed=mixed, itemsize=full.itemsize)
-    # a whole tensor under ZeRO-1 has its own full-precision master copy beside the two moments
+    if opts.zero != 1 or n == 1:
+        state = zero_memory(psi, n, zero=opts.zero, mixed=mixed, itemsize=full.itemsize)
+        return Memory(params=int(state.params), grads=int(state.grads), optimizer=int(state.optimizer))
+    pieces = zero1_pieces(compiled)
+    state = zero_memory(psi, n, zero=1, mixed=mixed, itemsize=full.itemsize)
+    per = zero_memory(1, 1, zero=1, mixed=mixed, itemsize=full.itemsize).optimizer  # bytes per element
+    whole = sum(math.prod(compiled.local_param_shape(name)) for name, kept in pieces.items() if kept is None)
+    kept = sum(k for k in pieces.values() if k is not None)
+    # a piece holds its share of the moments (and of the fp32 master, if separate); a whole tensor
+    # holds all of them, and always a full-precision master copy of its own
     return Memory(
-        params=int(state.params + kept.params),
-        grads=int(state.grads + kept.grads),
-        optimizer=int(state.optimizer + 3 * full.itemsize * whole),
+        params=int(state.params),
+        grads=int(state.grads),
+        optimizer=round(per * kept + 3 * full.itemsize * whole),
     )
 
 
-def zero1_whole(compiled: Compiled) -> set[str]:
-    """The parameters ZeRO-1 keeps whole on every rank: no dim of their local shard splits evenly
-    over the data-parallel ranks (`placements.zero1_shard_dim`)."""
+def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
+    """Under ZeRO-1, the elements of each parameter's largest piece (rank 0's), or None where
+    every rank keeps it whole (`placements.zero1_split`). Empty unless zero=1 over >1 ranks."""
     opts = compiled.options
     n = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes)
     if opts.zero != 1 or n <= 1:
-        return set()
-    return {
-        name
-        for name in compiled.traced.params
-        if zero1_shard_dim(compiled.local_param_shape(name), n, compiled.param_layouts[name]) is None
-    }
+        return {}
+    out = {}
+    for name in compiled.traced.params:
+        split = zero1_split(compiled.local_param_shape(name), n, compiled.param_layouts[name])
+        out[name] = None if split is None else split[0]
+    return out
 
 
 def _special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:

@@ -10,6 +10,7 @@ A layout is a tuple of placements, one per mesh axis, in mesh order.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 INF = float("inf")
@@ -122,9 +123,36 @@ class Pending(__import__("torch").nn.Module):
 
 
 def zero1_shard_dim(local_shape: tuple[int, ...], n: int, layout) -> int | None:
-    """The dim of a local shard ZeRO-1 splits over `n` data-parallel ranks: one that divides, and
-    not a dim some axis splits in groups (a fused projection), whose local rows are not contiguous.
-    None: no dim fits, so every rank keeps the whole tensor and its gradient is all-reduced."""
+    """The dim of a local shard ZeRO-1 splits over `n` data-parallel ranks.
+
+    First choice: a dim that divides evenly, and not one some axis splits in groups (a fused
+    projection, whose local rows are not contiguous). Else the longest dim no other axis splits,
+    unevenly, in torch.chunk's sizes as DTensor's Shard and FSDP2 use (see `chunk_rows`). None
+    (a scalar, or every dim already split by another axis): each rank keeps the whole tensor."""
     grouped = {p.dim for p in layout if isinstance(p, Shard) and p.groups > 1}
     fits = [d for d, size in enumerate(local_shape) if size % n == 0 and size >= n and d not in grouped]
-    return fits[0] if fits else None
+    if fits:
+        return fits[0]
+    split = {p.dim for p in layout if isinstance(p, Shard)}
+    free = [d for d in range(len(local_shape)) if d not in split and local_shape[d] > 1]
+    return max(free, key=lambda d: local_shape[d]) if free else None
+
+
+def chunk_rows(size: int, n: int, rank: int) -> tuple[int, int]:
+    """(start, length) of `rank`'s piece when `size` rows split into `n` as torch.chunk does:
+    pieces of ceil(size / n), the last ones shorter or empty."""
+    step = -(-size // n)
+    start = min(rank * step, size)
+    return start, min(step, size - start)
+
+
+def zero1_split(local_shape: tuple[int, ...], n: int, layout) -> tuple[int, int] | None:
+    """ZeRO-1 over `n` ranks on a tensor of this local shape: (elements of the largest piece, which
+    is rank 0's; elements of the tensor padded to `n` equal pieces, which the collectives move).
+    None when every rank keeps it whole."""
+    d = zero1_shard_dim(local_shape, n, layout)
+    if d is None:
+        return None
+    row = math.prod(local_shape) // local_shape[d]
+    step = -(-local_shape[d] // n)
+    return step * row, step * n * row

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..compiler.compile import Compiled, zero1_whole
+from ..compiler.compile import Compiled, zero1_pieces
 from ..compiler.placements import natural_grad
 from ..compiler.shapes import local_shape
 from ..compiler.split import layer_paths, split_graph
@@ -150,18 +150,18 @@ def _model_state(compiled, params, full, compute, mixed, n_dp) -> dict:
     """The tensors a rank holds between steps, as meta tensors: parameters (sharded under
     ZeRO-3 and -2's rest), fp32 masters (mixed precision, sharded from ZeRO-1), two moments."""
     zero = compiled.options.zero
-    whole = zero1_whole(compiled)  # ZeRO-1 keeps these whole, with a full-precision master copy
+    pieces = zero1_pieces(compiled)  # None: ZeRO-1 keeps it whole, with a full-precision master copy
     out = []
     for name, p in params.items():
         numel = p.numel()
         if zero >= 2:  # FSDP2: a full-precision shard is the parameter (and the master)
             out.append(torch.empty(math.ceil(numel / n_dp), dtype=full, device="meta"))
+            moments = math.ceil(numel / n_dp)
         else:
             out.append(p)
-            if mixed or name in whole:
-                split = n_dp if zero == 1 and name not in whole else 1
-                out.append(torch.empty(math.ceil(numel / split), dtype=full, device="meta"))
-        moments = math.ceil(numel / n_dp) if zero >= 1 and name not in whole else numel
+            moments = pieces.get(name, numel) or numel  # rank 0's piece under ZeRO-1
+            if mixed or (name in pieces and pieces[name] is None):
+                out.append(torch.empty(moments, dtype=full, device="meta"))
         out += [torch.empty(moments, dtype=full, device="meta") for _ in range(2)]
     return {"tensors": out}
 

@@ -6,7 +6,9 @@
 - `MeshAdamW`: AdamW over fp32 master weights when the parameters are bf16 or
   fp16; with `zero=1` each data-parallel rank keeps only its shard of the
   masters and moments: the gradient is reduce-scattered into it and the
-  updated shard all-gathered back into the parameter. Masters are DTensors
+  updated shard all-gathered back into the parameter. A tensor no dim of
+  which divides by the data-parallel size is split in torch.chunk's sizes
+  (as DTensor and FSDP2 do), its collectives padded to equal pieces. Masters are DTensors
   (the shard is a strided split of the parameter's own layout), so
   checkpoints reload on any mesh. ZeRO-2/3 leave the masters to FSDP2.
 - `LossScaler`: dynamic loss scaling for fp16, with the overflow check agreed
@@ -107,9 +109,9 @@ class MeshAdamW:
         local = _local(start)
         d = pl.zero1_shard_dim(tuple(local.shape), self.dp_size, layout)
         self.shard_dim[name] = d
-        if d is None:  # too small to split: every rank keeps the whole (it is a few bytes)
+        if d is None:  # a scalar, or every dim already split by another axis: every rank keeps the whole
             return _fp32_copy(start)
-        piece = local.chunk(self.dp_size, dim=d)[self.dp_index].detach()
+        piece = local.narrow(d, *pl.chunk_rows(local.shape[d], self.dp_size, self.dp_index)).detach()
         if separate or piece.dtype != _master_dtype(local):
             piece = piece.to(_master_dtype(local)).clone()  # a separate fp32 master (bf16/fp16 parameters)
         # else: a full-precision parameter is its own master: the shard is a view into it
@@ -140,7 +142,7 @@ class MeshAdamW:
                 continue
             if self.zero == 1 and self.shard_dim.get(name) is not None:
                 m.grad = _as_like(m, self._reduce_scatter(name, p))
-            elif self.zero == 1 and self.dp_size > 1:  # too small to shard: sum it whole
+            elif self.zero == 1 and self.dp_size > 1:  # kept whole (see `zero1_shard_dim`): sum it
                 g = _local(p.grad).to(m.dtype).contiguous()
                 dist.all_reduce(g, group=self.dp_group)
                 self.counter.record("backward", "all_reduce", self.dp_axis, g.numel() * g.element_size(), "zero-1")
@@ -162,18 +164,23 @@ class MeshAdamW:
         return True
 
     def _reduce_scatter(self, name: str, p) -> torch.Tensor:
+        """This rank's piece of the summed gradient. An uneven dim is padded to equal pieces for
+        the collective (that padding moves too, and is counted), and the piece cut back."""
         g = _local(p.grad).to(self.master[name].dtype)
         d = self.shard_dim[name]
+        size = g.shape[d]
+        g = _pad(g, d, -(-size // self.dp_size) * self.dp_size)
         out = reduce_scatter(g, pl.Shard(d), self.dp_group, self.dp_size)
         self.counter.record("backward", "reduce_scatter", self.dp_axis, g.numel() * g.element_size(), "zero-1")
-        return out
+        return out.narrow(d, 0, pl.chunk_rows(size, self.dp_size, self.dp_index)[1])
 
     def _all_gather_into(self, name: str, m, p) -> None:
         d = self.shard_dim[name]
-        piece = _local(m.data).to(p.dtype)
+        target = _local(p.data)
+        piece = _pad(_local(m.data).to(p.dtype), d, -(-target.shape[d] // self.dp_size))
         full = all_gather(piece, pl.Shard(d), self.dp_group, self.dp_size)
         self.counter.record("optimizer", "all_gather", self.dp_axis, full.numel() * full.element_size(), "zero-1")
-        _local(p.data).copy_(full)
+        target.copy_(full.narrow(d, 0, target.shape[d]))
 
     # -- state ------------------------------------------------------------------------------------------
     def state_bytes(self) -> int:
@@ -212,6 +219,15 @@ def _fp32_copy(p: torch.Tensor) -> torch.nn.Parameter:
             DTensor.from_local(local, d.device_mesh, d.placements, shape=d.shape, stride=d.stride())
         )
     return torch.nn.Parameter(p.detach().to(_master_dtype(p)).clone())
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`x` with zeros appended along `dim` up to `size` (itself when already that long)."""
+    if x.shape[dim] == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 def _master_layout(layout, mesh_axes, dp_axis: str, local_dim: int, local_shape) -> tuple:
