@@ -6,6 +6,8 @@ rich is optional (the `rich` extra); without it tables print as aligned text.
 from __future__ import annotations
 
 import html
+import itertools
+import textwrap
 from collections.abc import Sequence
 
 
@@ -21,14 +23,18 @@ class Table:
     def __repr__(self) -> str:
         return f"Table({self.title!r}, {len(self.rows)} rows)"
 
-    def to_text(self) -> str:
+    def to_text(self, max_width: int = 100) -> str:
+        """Aligned columns. A cell with several lines, or one longer than `max_width`, continues on
+        the following lines of its own column."""
+        cells = [[_wrap(v, max_width) for v in row] for row in self.rows]
         widths = [len(c) for c in self.columns]
-        for row in self.rows:
-            widths = [max(w, len(v)) for w, v in zip(widths, row)]
+        for row in cells:
+            widths = [max(w, *map(len, v)) for w, v in zip(widths, row)]
         line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
         out = [self.title] if self.title else []
         out += [line(self.columns), line(["-" * w for w in widths])]
-        out += [line(row) for row in self.rows]
+        for row in cells:
+            out += [line(vals) for vals in itertools.zip_longest(*row, fillvalue="")]
         if self.caption:
             out.append(self.caption)
         return "\n".join(out)
@@ -53,6 +59,11 @@ class Table:
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+def _wrap(value: str, width: int) -> list[str]:
+    """The lines of a cell: its own line breaks, and lines longer than `width` broken at spaces."""
+    return [piece for text in value.split("\n") for piece in (textwrap.wrap(text, width) or [""])]
 
 
 def show(*items: object) -> None:

@@ -76,6 +76,15 @@ def test_tables_and_totals():
     for piece in ("layers.0.wq.weight", "P('tp', None)", "model.py:12", "Partial(tp) -> Replicate", "total 12.00 KiB", "trace"):
         assert piece in text
     assert "<table>" in plan._repr_html_()
+    # a note of several lines (both trace failures) continues under its own column, never past 100 wide
+    failed = "failed\nfx: TraceError: control flow at m.py:3\nexport: " + "can not trace this " * 20
+    text = str(Plan(Mesh(dp=2), notes={"trace": failed, "model": "llama"}))
+    lines = text.splitlines()
+    at = next(i for i, s in enumerate(lines) if s.startswith("trace"))
+    column = lines[at].index("failed")
+    assert lines[at + 1] == " " * column + "fx: TraceError: control flow at m.py:3"
+    assert lines[at + 2].startswith(" " * column + "export: can not") and max(map(len, lines)) <= column + 100
+    assert lines[at + 3].startswith(" " * column + "can not") or lines[at + 3].startswith(" " * column + "this")
     with pytest.raises(ValueError, match="collective kind 'gather'"):
         Collective("gather", ("dp",), 1)
     with pytest.raises(TypeError, match="not a P"):
