@@ -59,6 +59,7 @@ def kind(src: Placement, dst: Placement) -> str | None:
             return "all_gather"
         if isinstance(dst, Shard):
             return "all_to_all"
+        return None  # -> Partial: the local block in place, zeros around it (pipeline boundaries only)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         return None  # a local slice
     raise ValueError(f"no redistribution from {src} to {dst}")

@@ -40,6 +40,7 @@ class StageGraphs:
     params: list[set[str]] = field(default_factory=list)  # parameter FQNs each stage holds
     costs: list[float] = field(default_factory=list)
     balance: str = "flops"
+    layouts: dict[str, tuple] = field(default_factory=dict)  # boundary values with no plan of their own
 
 
 @dataclass(frozen=True)
@@ -167,11 +168,13 @@ def _stage_of_part(ranges: list[tuple[int, int]], n_layers: int):
 
 
 def build_stages(
-    graph: fx.Graph, parts: dict[fx.Node, int], ranges: list[tuple[int, int]], n_layers: int, axes, plans
+    graph: fx.Graph, parts: dict[fx.Node, int], ranges: list[tuple[int, int]], n_layers: int, axes, plans,
+    comms: list | None = None,
 ) -> StageGraphs:
-    """One graph per stage, values threaded through the boundaries in between."""
+    """One graph per stage, values threaded through the boundaries in between. With `comms` (the
+    compiled model's, appended to), a partial sum reduce-scattered in a later stage crosses as its
+    shard instead (`_send_shards`)."""
     stage_of = _stage_of_part(ranges, n_layers)
-    by_name = {n.name: n for n in graph.nodes}
     where: dict[str, int] = {}
     for node, part in parts.items():
         where[node.name] = stage_of(part)
@@ -180,6 +183,8 @@ def build_stages(
         if node.op == "get_attr":
             users = sorted({where[u.name] for u in node.users if u.name in where})
             where[node.name] = users[0] if users else 0
+    layouts = _send_shards(graph, where, comms) if comms is not None else {}
+    by_name = {n.name: n for n in graph.nodes}
     params = [set() for _ in range(n)]
     for node in graph.nodes:
         if node.op == "get_attr" and node.meta.get("param"):
@@ -216,23 +221,66 @@ def build_stages(
     inputs = [model_inputs] + live
     outputs = live + [None]
     graphs = [_stage_graph(graph, where, s, inputs[s], outputs[s]) for s in range(n)]
-    sends = [tuple(_boundary(by_name[v], axes, plans) for v in live[b]) for b in range(n - 1)] + [()]
+    sends = [tuple(_boundary(by_name[v], axes, plans, layouts) for v in live[b]) for b in range(n - 1)] + [()]
     return StageGraphs(
-        graphs, list(ranges), inputs, [o if o is not None else ["output"] for o in outputs], sends, params
+        graphs, list(ranges), inputs, [o if o is not None else ["output"] for o in outputs], sends, params,
+        layouts=layouts,
     )
 
 
-def _boundary(node: fx.Node, axes, plans) -> Boundary:
+def _send_shards(graph: fx.Graph, where: dict[str, int], comms: list) -> dict[str, tuple]:
+    """Megatron's scatter/gather at stage boundaries, for sequence parallelism.
+
+    There the residual stream is a partial sum over tp (full size on every rank), reduce-scattered
+    to a sequence shard only where a norm reads it. When that reduce-scatter is in a later stage,
+    move it into the value's own stage and send the shard (1 / tp of the bytes); the later stages
+    turn the shard back into a partial sum locally (its block in place, zeros around it) for the
+    value's other users. The sum over ranks is the same value. Returns the moved collectives'
+    output layouts (for the boundary's local shape)."""
+    from .placements import Partial, Shard, natural_grad
+    from .redistribute import CommSpec
+
+    specs = {c.name: c for c in comms}
+    moved: dict[str, tuple] = {}
+    for node in list(graph.nodes):
+        spec = specs.get(node.target) if node.op == "call_module" else None
+        if spec is None or not node.args or node.args[0].name not in where:
+            continue
+        value, home = node.args[0], where[node.args[0].name]
+        scatter = spec.src != spec.dst and all(
+            a == b or (isinstance(a, Partial) and isinstance(b, Shard)) for a, b in zip(spec.src, spec.dst)
+        )
+        if not scatter or where.get(node.name, home) <= home:
+            continue
+        later = [u for u in value.users if u is not node and where.get(u.name, home) > home]
+        where[node.name] = home
+        moved[node.name] = spec.dst
+        if not later:
+            continue
+        back = CommSpec(
+            f"{spec.name}_partial", spec.dst, spec.src, tuple(natural_grad(p) for p in spec.src), spec.shape,
+            spec.dtype, spec.requires_grad, node.name, spec.consumer, "pipeline boundary", spec.source,
+        )  # fmt: skip
+        comms.append(back)
+        with graph.inserting_after(node):
+            rebuilt = graph.create_node("call_module", back.name, (node,))  # bound by the runtime, by name
+        rebuilt.meta = dict(value.meta)
+        where[rebuilt.name] = min(where[u.name] for u in later)
+        for u in later:
+            u.replace_input_with(value, rebuilt)
+    return moved
+
+
+def _boundary(node: fx.Node, axes, plans, layouts: dict | None = None) -> Boundary:
     val = node.meta["val"]
-    layout = plans[node].out if node in plans and plans[node].out is not None else None
+    layout = plans[node].out if node in plans and plans[node].out is not None else (layouts or {}).get(node.name)
     shape = (
         local_shape(tuple(val.shape), layout, axes.sizes)
         if isinstance(layout, tuple) and layout and not isinstance(layout[0], tuple)
         else tuple(val.shape)
     )
-    return Boundary(
-        node.name, tuple(shape), str(val.dtype).removeprefix("torch."), math.prod(shape) * val.element_size()
-    )
+    name = f"{node.args[0].name} (scattered)" if layouts and node.name in layouts else node.name
+    return Boundary(name, tuple(shape), str(val.dtype).removeprefix("torch."), math.prod(shape) * val.element_size())
 
 
 def _stage_graph(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compiler.placements import Partial, Replicate, Shard, natural_grad
+from ..compiler.placements import kind as pl_kind
 from ..compiler.redistribute import CommSpec
 
 
@@ -106,6 +107,13 @@ def local_slice(x: torch.Tensor, p: Shard, rank: int, n: int) -> torch.Tensor:
     return _blocks(x, p.dim, p.groups, n)[rank].contiguous()
 
 
+def local_pad(x: torch.Tensor, p: Shard, rank: int, n: int) -> torch.Tensor:
+    """A partial sum from a shard: this rank's block in place, zeros in the others' (no communication)."""
+    stacked = x.new_zeros((n,) + tuple(x.shape))
+    stacked[rank] = x
+    return _unblocks(stacked, p.dim, p.groups)
+
+
 def all_to_all(x: torch.Tensor, src: Shard, dst: Shard, group, n: int) -> torch.Tensor:
     """Sharded on `src.dim` -> sharded on `dst.dim` (plain shards)."""
     parts = _blocks(x, dst.dim, dst.groups, n).contiguous()
@@ -126,6 +134,8 @@ def step(x: torch.Tensor, a, b, group, n: int, rank: int) -> torch.Tensor:
         return all_to_all(x, a, b, group, n)
     if isinstance(a, Replicate) and isinstance(b, Shard):
         return local_slice(x, b, rank, n)
+    if isinstance(a, Shard) and isinstance(b, Partial):
+        return local_pad(x, a, rank, n)
     raise ValueError(f"no step from {a} to {b}")
 
 
@@ -154,7 +164,7 @@ class Comm(nn.Module):
                 continue
             payload = x.numel() * x.element_size() * (1 if not isinstance(a, Shard) else n)
             x = step(x, a, b, self.groups.get(name), n, self.ranks.get(name, 0))
-            if not (isinstance(a, Replicate) and isinstance(b, Shard)):
+            if pl_kind(a, b) is not None:  # not a local slice or pad
                 self.counter.record(phase, _kind(a, b), name, payload, f"{self.spec.producer}@{self.spec.source}")
         return x
 

@@ -201,14 +201,14 @@ def build(
     if n != p * core.v:
         raise AssertionError(f"{n} stage graphs for {p} x {core.v} stages")
     local = [s for s in range(n) if core.placement[s] == pp_rank]
-    modules, stages = [], []
+    modules, stages, moved = [], [], stage_graphs.layouts
     for s in local:
         module = fx.GraphModule(root, stage_graphs.graphs[s])
         modules.append(module)
         stages.append(
             PipelineStage(
-                module, s, n, device, input_args=_example(compiled, stage_graphs.inputs[s], device),
-                output_args=_example(compiled, stage_graphs.outputs[s], device), group=group,
+                module, s, n, device, input_args=_example(compiled, stage_graphs.inputs[s], device, moved),
+                output_args=_example(compiled, stage_graphs.outputs[s], device, moved), group=group,
             )  # both given: no shape-inference forward on uninitialized buffers
         )  # fmt: skip
     count_sends(stages, pp_axis)
@@ -258,8 +258,9 @@ def make_schedule(stages: list[PipelineStage], core, microbatches: int, loss_fn=
     return sched
 
 
-def _example(compiled, names: list[str], device) -> tuple:
-    """Tensors shaped like these values for one microbatch on this rank (`output`: the loss)."""
+def _example(compiled, names: list[str], device, layouts: dict | None = None) -> tuple:
+    """Tensors shaped like these values for one microbatch on this rank (`output`: the loss).
+    `layouts`: those of values the compiler's plans do not cover (collectives moved to a boundary)."""
     by_name = {n.name: n for n in compiled.graph.nodes}
     out = []
     for name in names:
@@ -270,6 +271,7 @@ def _example(compiled, names: list[str], device) -> tuple:
         val = node.meta["val"]
         plan = compiled.plans.get(node)
         layout = plan.out if plan is not None and plan.out is not None else compiled.input_layouts.get(name)
+        layout = (layouts or {}).get(name, layout)
         shape = local_shape(tuple(val.shape), layout, compiled.axes.sizes) if layout is not None else tuple(val.shape)
         out.append(torch.zeros(shape, dtype=val.dtype, device=device, requires_grad=val.is_floating_point()))
     return tuple(out)
@@ -404,7 +406,9 @@ def compile_pipeline(
         )  # fmt: skip
         split = "by module FQN on the eager model"
     else:
-        stages = build_stages(compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans)
+        stages = build_stages(
+            compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans, compiled.comms
+        )
         split = f"by layer FQN on the {compiled.traced.path} graph"
     stages.costs = costs.of(ranges)
     stages.balance = balance if split_points is None else "user split points"
