@@ -21,6 +21,7 @@ import torch
 
 from meshlib import Mesh
 from meshlib_torch import COUNTER, compile_model, parallelize
+from meshlib_torch.compiler.call import bind_call
 from meshlib_torch.compiler.trace import Untraceable, trace
 from meshlib_torch.models import config, default_rules
 from meshlib_torch.models.llama import Llama
@@ -54,7 +55,8 @@ def test_the_model_is_untraceable_on_both_paths():
     for device in ("meta", "cpu"):
         x = torch.zeros(2, 16, dtype=torch.long, device=device)
         with pytest.raises(Untraceable) as err:
-            trace(_model(device), (x, x))
+            model = _model(device)
+            trace(model, bind_call(model, (x, x)))
         assert "TraceError" in err.value.fx and "data pointer" in err.value.export
     mesh = Mesh(tp=2)  # without a pipeline there is nothing to fall back to: the error says what to change
     with pytest.raises(ValueError, match=r"cannot be traced\.\n  fx: TraceError.*\n  torch\.export: .*\nFix: make"):

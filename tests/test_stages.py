@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from meshlib import Mesh, min_max_partition
+from meshlib_torch.compiler.call import bind_call
 from meshlib_torch.compiler.split import layer_paths
 from meshlib_torch.compiler.stages import LayerCosts, layer_costs, stage_ranges
 from meshlib_torch.models import build, config, default_rules
@@ -92,10 +93,10 @@ def test_layer_costs_are_forward_flops_with_the_ends_apart():
     model, b = _Uneven().to("meta"), 5
     x = torch.empty(b, 4, device="meta")
     w = model.widths
-    costs = layer_costs(model, layer_paths(model), (x,))
+    costs = layer_costs(model, layer_paths(model), bind_call(model, (x,)))
     assert costs.layers == [2.0 * b * i * o for i, o in itertools.pairwise(w)]
     assert costs.first == 2.0 * b * 4 * w[0] and costs.last == 2.0 * b * w[-1] * 2
-    by_bytes = layer_costs(model, layer_paths(model), (x,), by="params")
+    by_bytes = layer_costs(model, layer_paths(model), bind_call(model, (x,)), by="params")
     assert by_bytes.layers == [4.0 * i * o for i, o in itertools.pairwise(w)]
     assert by_bytes.first == 4.0 * 4 * w[0] and by_bytes.last == 4.0 * w[-1] * 2
     ranges = stage_ranges(costs, 3)
@@ -123,7 +124,7 @@ def test_plan_stages_carry_the_min_max_split_and_its_costs():
     compiled, stages, core = _pipeline(cfg=cfg, microbatches=4, schedule="1f1b", mesh="pp=3")
     model = build(cfg)
     micro = torch.empty(2, 16, dtype=torch.long, device="meta")
-    costs = layer_costs(model, layer_paths(model), (micro, micro))
+    costs = layer_costs(model, layer_paths(model), bind_call(model, (micro, micro)))
     plan = compiled.plan
     assert [s.cost for s in plan.stages] == costs.of(stages.layers)
     assert max(s.cost for s in plan.stages) == _brute_force(costs.layers, 3, costs.first, costs.last)

@@ -67,22 +67,31 @@ def param_specs(params: dict[str, torch.Tensor], rules, mesh: Mesh) -> dict[str,
     return specs
 
 
-def fuse_groups(gm: fx.GraphModule) -> dict[str, int]:
-    """Parameters feeding a Linear whose output is split into k equal parts -> k."""
-    out: dict[str, int] = {}
+def fuse_groups(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
+    """Parameters of a projection whose output is split into k equal parts along its last dim
+    (a fused qkv) -> (the parameter's output dim, k). The projection is a Linear (`x @ W.T`, output
+    dim 0 of W) or a matmul by the weight (`x @ W`, Hugging Face's Conv1D: output dim 1), maybe with
+    its bias added and the result reshaped (the last dim kept) before the split."""
+    out: dict[str, tuple[int, int]] = {}
     for node in gm.graph.nodes:
         view = bind(node)
-        if view.kind != "linear" or view.tensors[1].op != "get_attr":
+        if view.kind not in ("linear", "matmul") or len(view.tensors) != 2 or view.tensors[1].op != "get_attr":
             continue
-        params = [view.tensors[1].target]
-        cur = node
-        users = list(cur.users)
-        if len(users) == 1 and bind(users[0]).kind == "add":
-            add = users[0]
-            other = [a for a in add.all_input_nodes if a is not cur]
-            if other and other[0].op == "get_attr":
-                params.append(other[0].target)
-            cur, users = add, list(add.users)
+        w = view.tensors[1]
+        if view.kind == "matmul" and len(view.shape(w)) != 2:
+            continue
+        params = [(w.target, 0 if view.kind == "linear" else 1)]
+        cur, users = node, list(node.users)
+        while len(users) == 1:
+            nxt = bind(users[0])
+            if nxt.kind == "add":
+                other = [a for a in nxt.tensors if a is not cur]
+                if not (other and other[0].op == "get_attr" and len(view.shape(other[0])) == 1):
+                    break
+                params.append((other[0].target, 0))
+            elif not (nxt.kind == "view" and nxt.out_shape[-1:] == tuple(cur.meta["val"].shape)[-1:]):
+                break
+            cur, users = users[0], list(users[0].users)
         if len(users) != 1:
             continue
         split = bind(users[0])
@@ -91,10 +100,12 @@ def fuse_groups(gm: fx.GraphModule) -> dict[str, int]:
         nd = len(cur.meta["val"].shape)
         pieces = [tuple(t.shape) for t in split.out]
         if (split.p.get("dim") or 0) % nd == nd - 1 and len({p[-1] for p in pieces}) == 1 and len(pieces) > 1:
-            for name in params:
-                out[name] = len(pieces)
+            for name, dim in params:
+                out[name] = (dim, len(pieces))
     return out
 
 
-def with_groups(layout: Layout, groups: int) -> Layout:
-    return tuple(Shard(p.dim, groups) if isinstance(p, Shard) and p.dim == 0 and p.groups == 1 else p for p in layout)
+def with_groups(layout: Layout, group: tuple[int, int]) -> Layout:
+    """A fused projection's layout: a shard of its output dim holds whole parts (`Shard(dim, k)`)."""
+    dim, k = group
+    return tuple(Shard(p.dim, k) if isinstance(p, Shard) and p.dim == dim and p.groups == 1 else p for p in layout)

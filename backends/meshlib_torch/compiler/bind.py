@@ -62,10 +62,10 @@ def _register(kind: str, tensors: tuple[str, ...], *targets: tuple[Any, tuple[st
 X = ("x",)
 _BINARY = ("x", "y", "alpha")
 for _kind, _fns in {
-    "add": (operator.add, torch.add, aten.add.Tensor, _method("add"), operator.iadd),
-    "sub": (operator.sub, torch.sub, aten.sub.Tensor, _method("sub")),
-    "mul": (operator.mul, torch.mul, aten.mul.Tensor, _method("mul"), operator.imul),
-    "div": (operator.truediv, torch.div, aten.div.Tensor, _method("div")),
+    "add": (operator.add, torch.add, aten.add.Tensor, aten.add.Scalar, _method("add"), operator.iadd),
+    "sub": (operator.sub, torch.sub, aten.sub.Tensor, aten.sub.Scalar, _method("sub")),
+    "mul": (operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar, _method("mul"), operator.imul),
+    "div": (operator.truediv, torch.div, aten.div.Tensor, aten.div.Scalar, _method("div")),
 }.items():
     _register(_kind, ("x", "y"), *((fn, _BINARY) for fn in _fns))
 
@@ -83,6 +83,21 @@ _UNARY_NONLINEAR = {
     "abs": (torch.abs, aten.abs.default, _method("abs")),
     "cos": (torch.cos, aten.cos.default, _method("cos")),
     "sin": (torch.sin, aten.sin.default, _method("sin")),
+    "erf": (torch.erf, aten.erf.default, _method("erf")),
+    "log1p": (torch.log1p, aten.log1p.default, _method("log1p")),
+    "reciprocal": (torch.reciprocal, aten.reciprocal.default, _method("reciprocal")),
+    "square": (torch.square, aten.square.default, _method("square")),
+    "sign": (torch.sign, aten.sign.default, _method("sign")),
+    "rounding": (torch.floor, torch.ceil, torch.round, aten.floor.default, aten.ceil.default, aten.round.default),
+    "clamp": (
+        torch.clamp, aten.clamp.default, _method("clamp"), aten.clamp_min.default, aten.clamp_max.default,
+        _method("clamp_min"), _method("clamp_max"),
+    ),
+    "softplus": (F.softplus, aten.softplus.default),
+    "not": (
+        torch.logical_not, aten.logical_not.default, _method("logical_not"), torch.bitwise_not,
+        aten.bitwise_not.default, _method("bitwise_not"), operator.invert, torch.isnan, aten.isnan.default,
+    ),
 }
 for _kind, _fns in _UNARY_NONLINEAR.items():
     _register("unary", X, *((fn, ("x", "a1", "a2")) for fn in _fns))
@@ -97,23 +112,100 @@ _register(
             _method("contiguous"), aten.contiguous.default, _method("clone"), torch.clone, aten.clone.default,
             _method("detach"), aten.detach.default, _method("float"), _method("double"), _method("half"),
             _method("bfloat16"), _method("to"), aten._to_copy.default, aten.to.dtype, aten.alias.default,
-            _method("type_as"), aten.type_as.default,
+            aten.to.dtype_layout, aten.to.device, aten.to.other, aten.detach_.default, _method("type_as"),
+            aten.type_as.default, _method("detach_"),
         )
     ),
 )  # fmt: skip
+# elementwise ops of several tensors that are not linear in any of them: comparisons, logic, min/max
+_register(
+    "pointwise",
+    ("x", "y"),
+    *(
+        (fn, ("x", "y"))
+        for fn in (
+            operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.and_, operator.or_,
+            torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.maximum, torch.minimum,
+            torch.logical_and, torch.logical_or, torch.bitwise_and, torch.bitwise_or,
+            _method("eq"), _method("ne"), _method("lt"), _method("le"), _method("gt"), _method("ge"),
+            aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor, aten.lt.Scalar,
+            aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
+            aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
+            aten.logical_and.default, aten.logical_or.default, aten.maximum.default, aten.minimum.default,
+            aten.pow.Tensor_Tensor, aten.rsub.Scalar, aten.rsub.Tensor,
+        )
+    ),
+)  # fmt: skip
+_register(
+    "scan",
+    X,
+    (torch.cumsum, ("x", "dim", "dtype")), (_method("cumsum"), ("x", "dim", "dtype")),
+    (aten.cumsum.default, ("x", "dim", "dtype")),
+)  # fmt: skip
+_register(
+    "diff",
+    ("x", "prepend", "append"),
+    (torch.diff, ("x", "n", "dim", "prepend", "append")), (_method("diff"), ("x", "n", "dim", "prepend", "append")),
+    (aten.diff.default, ("x", "n", "dim", "prepend", "append")),
+)  # fmt: skip
+_register(
+    "pad",
+    X,
+    (F.pad, ("x", "pad", "mode", "value")), (aten.pad.default, ("x", "pad", "mode", "value")),
+    (aten.constant_pad_nd.default, ("x", "pad", "value")),
+)  # fmt: skip
+_register(
+    "new",
+    X,
+    *(
+        (fn, ("x", "size"))
+        for fn in (
+            _method("new_ones"), _method("new_zeros"), _method("new_full"), _method("new_empty"), _method("new_tensor"),
+            aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+        )
+    ),
+)  # fmt: skip
+_register(
+    "gather",
+    ("x", "index"),
+    (torch.gather, ("x", "dim", "index")), (_method("gather"), ("x", "dim", "index")),
+    (aten.gather.default, ("x", "dim", "index")),
+)  # fmt: skip
+_register(
+    "index_select",
+    ("x", "index"),
+    (torch.index_select, ("x", "dim", "index")), (_method("index_select"), ("x", "dim", "index")),
+    (aten.index_select.default, ("x", "dim", "index")),
+)  # fmt: skip
+_register("index_tensor", (), (aten.index.Tensor, ("x", "indices")))
+_register("stack", (), (torch.stack, ("tensors", "dim")), (aten.stack.default, ("tensors", "dim")))
+_register(
+    "unbind",
+    X,
+    (torch.unbind, ("x", "dim")), (_method("unbind"), ("x", "dim")), (aten.unbind.int, ("x", "dim")),
+)  # fmt: skip
 _register("dropout", X, (F.dropout, ("x", "p", "training")), (aten.dropout.default, ("x", "p", "training")))
-_register("where", ("cond", "x", "y"), (torch.where, ("cond", "x", "y")), (aten.where.self, ("cond", "x", "y")))
+_register(
+    "where",
+    ("cond", "x", "y"),
+    *((fn, ("cond", "x", "y")) for fn in (torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf)),
+)
 _register(
     "masked_fill",
-    ("x", "mask"),
+    ("x", "mask", "value"),
     (_method("masked_fill"), ("x", "mask", "value")),
     (aten.masked_fill.Scalar, ("x", "mask", "value")),
+    (aten.masked_fill.Tensor, ("x", "mask", "value")),
 )
 for _name, _fns in {
     "sum": (torch.sum, aten.sum.dim_IntList, _method("sum")),
     "mean": (torch.mean, aten.mean.dim, _method("mean")),
 }.items():
     _register(_name, X, *((fn, ("x", "dim", "keepdim", "dtype")) for fn in _fns))
+_SPECS["sum"][0].append((aten.sum.default, ("x", "dtype")))
+_SPECS["mean"][0].append((aten.mean.default, ("x", "dtype")))
+_TABLE[aten.sum.default] = ("sum", ("x", "dtype"))
+_TABLE[aten.mean.default] = ("mean", ("x", "dtype"))
 _register(
     "softmax",
     X,
@@ -257,7 +349,8 @@ _register(
         for fn in (
             torch.arange, aten.arange.start, aten.arange.default, aten.arange.start_step, torch.zeros, torch.ones,
             torch.full, torch.empty, torch.tensor, aten.zeros.default, aten.ones.default, aten.full.default,
-            aten.empty.memory_format, aten.scalar_tensor.default, aten.lift_fresh_copy.default,
+            aten.empty.memory_format, aten.scalar_tensor.default, aten.lift_fresh_copy.default, torch.eye,
+            aten.eye.default, torch.linspace, aten.linspace.default,
         )
     ),
 )  # fmt: skip
@@ -291,8 +384,10 @@ def bind(node: fx.Node) -> OpView:
         ops = p.get("operands", node.args[1:])
         ops = ops[0] if len(ops) == 1 and isinstance(ops[0], (list, tuple)) else ops
         return OpView(node, kind, p, list(ops))
-    if kind == "cat":
-        return OpView(node, kind, p, list(p["tensors"]))
+    if kind in ("cat", "stack"):
+        return OpView(node, kind, p, [t for t in p["tensors"] if is_tensor_node(t)])
+    if kind == "index_tensor":
+        return OpView(node, kind, p, [p["x"]] + [i for i in p["indices"] if is_tensor_node(i)])
     if kind == "linear_unary" and target in (_method("type_as"), aten.type_as.default):
         p.pop("a1", None)
     if kind == "add" and p.get("alpha") not in (None, 1):

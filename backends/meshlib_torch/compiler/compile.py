@@ -21,6 +21,8 @@ from meshlib import Collective, Memory, Mesh, P, Plan, Precision
 from meshlib.cost import fsdp2_memory, zero_level, zero_memory
 
 from . import annotate as _annotate
+from .call import Call, LossSpec, bind_call
+from .moe import check_not_moe
 from .localize import SpecialSpec, fold_scalars, localize
 from .placements import Layout, Shard, zero1_split
 from .propagate import Axes, NodePlan, propagate
@@ -96,7 +98,9 @@ def compile_model(
     *,
     mesh: Mesh,
     rules,
-    example_inputs: tuple,
+    example_inputs: tuple | dict = (),
+    example_kwargs: dict | None = None,
+    loss: LossSpec = None,
     in_specs: dict[str, P] | tuple[P, ...] | None = None,
     sequence_parallel: bool = False,
     tp_axis: str = "tp",
@@ -106,14 +110,22 @@ def compile_model(
     recompute: str = "none",
     replicate_axes: tuple[str, ...] = (),
     estimate_memory: bool = False,
+    count_flops: bool = False,
 ) -> Compiled:
     """Compile `model` for `mesh`: no processes, no real memory (the model may be on meta).
 
+    The model is called as `model(*example_inputs, **example_kwargs)` (`example_inputs` may
+    also be a dict of keyword inputs); its tensors are the compiled model's inputs, by name,
+    and its other values are fixed. The compiled model returns the loss: the output itself,
+    a dict's or `ModelOutput`'s `"loss"`, or what `loss=` picks (an index, key, attribute
+    name or function of the output; see `compiler.call`).
     The data-parallel axes are those the inputs' batch dim is split over.
     Gradients are summed over them once per step by the runtime, by `zero`
     level: 0 all-reduces them, 1 reduce-scatters them into a sharded optimizer,
     2 and 3 hand the axes to FSDP2 (`replicate_axes` makes that HSDP).
     `precision` is a `Precision` or its text (`"bf16"`, `"param=bf16,reduce=fp32"`).
+    `count_flops` notes each op's forward FLOPs on its node (`meta["flops"]`, the pipeline's stage
+    cost); `example_inputs` may also be an already bound `Call`.
     """
     if isinstance(precision, str):
         precision = Precision.parse(precision)
@@ -125,13 +137,20 @@ def compile_model(
         own = str(next(model.parameters()).dtype).removeprefix("torch.")
         precision = Precision(own, own, own)
     options = Options(zero_level(zero), precision, _recompute(recompute), tuple(replicate_axes))
+    if isinstance(example_inputs, Call):
+        call = example_inputs
+    else:
+        call = bind_call(model, example_inputs, example_kwargs, loss=loss)
+    check_not_moe(model)
     with _gc_paused():
-        compiled = _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp_axis, seq_dim, options)
+        compiled = _compile(
+            model, mesh, rules, call, in_specs, sequence_parallel, tp_axis, seq_dim, options, count_flops
+        )
     memory = model_state(compiled)
     if estimate_memory:
         from ..runtime.dryrun import dry_peak
 
-        dry = dry_peak(compiled, model, batch=example_inputs)
+        dry = dry_peak(compiled, model, batch=list(call.tensors.values()))
         memory = dataclasses.replace(memory, activations=dry["step"], peak=dry["peak"])
     compiled.plan = compiled.plan.replace(memory=memory)
     return compiled
@@ -154,8 +173,8 @@ def _recompute(value: str) -> str:
     return value
 
 
-def _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp_axis, seq_dim, options) -> Compiled:
-    traced = trace(model, example_inputs)
+def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, options, count_flops) -> Compiled:
+    traced = trace(model, call, count_flops=count_flops)
     gm = traced.gm
     fold_scalars(gm)
     specs = _annotate.param_specs(traced.params, rules, mesh)
@@ -163,8 +182,8 @@ def _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp
     layouts = {n: _annotate.spec_to_layout(s, mesh) for n, s in specs.items()}
     layouts = {n: _annotate.with_groups(lay, groups[n]) if n in groups else lay for n, lay in layouts.items()}
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    in_layouts = _input_layouts(names, in_specs, mesh, example_inputs, options.replicate_axes)
-    axes = _axes(mesh, sequence_parallel, tp_axis, seq_dim, example_inputs)
+    in_layouts = input_layouts(call.tensors, in_specs, mesh, options.replicate_axes)
+    axes = _axes(mesh, sp, tp_axis, seq_dim, call)
     data = data_axes(in_layouts, mesh)
     bad = [a for a in options.replicate_axes if a not in data]
     if bad:
@@ -184,7 +203,7 @@ def _compile(model, mesh, rules, example_inputs, in_specs, sequence_parallel, tp
     comms = insert_comms(gm, plans, axes, deferred=data)
     specials = localize(gm, plans, axes, set(traced.params))
     gm.graph.lint()
-    plan = _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sequence_parallel, layouts)
+    plan = _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts)
     plan = _with_data_parallel(plan, traced, layouts, axes, data, options, synced)
     buffers = {n: b for n, b in gm.named_buffers()}
     compiled = Compiled(
@@ -266,24 +285,29 @@ def dp_sync_steps(zero: int, numel: int, param_b: int, reduce_b: int, shard: tup
     return steps
 
 
-def _axes(mesh: Mesh, sp: bool, tp_axis: str, seq_dim: int, example_inputs: tuple) -> Axes:
+def _axes(mesh: Mesh, sp: bool, tp_axis: str, seq_dim: int, call: Call) -> Axes:
     slice_dims = ()
     if sp and tp_axis in mesh:
-        seq = tuple(example_inputs[0].shape)[seq_dim]
+        seq = tuple(next(iter(call.tensors.values())).shape)[seq_dim]
         slice_dims = ((tp_axis, seq_dim, seq),)
     return Axes(mesh.axis_names, mesh.axis_sizes, slice_dims)
 
 
-def _input_layouts(names, in_specs, mesh: Mesh, example_inputs, replicate_axes=()) -> dict[str, Layout]:
+def input_layouts(tensors: dict[str, torch.Tensor], in_specs, mesh: Mesh, replicate_axes=()) -> dict[str, Layout]:
+    """Each input's layout: its spec from `in_specs` (by name, or in order), else the batch split over dp."""
+    from meshlib import NamedSharding
+
+    names = list(tensors)
     if in_specs is None:
         in_specs = {n: default_in_spec(mesh, replicate_axes) for n in names}
     elif not isinstance(in_specs, dict):
         in_specs = dict(zip(names, in_specs))
+    unknown = sorted(set(in_specs) - set(names))
+    if unknown:
+        raise ValueError(f"in_specs names {unknown}, which are not tensor inputs of the call ({names})")
     out = {}
-    for name, x in zip(names, example_inputs):
+    for name, x in tensors.items():
         spec = in_specs.get(name, P())
-        from meshlib import NamedSharding
-
         NamedSharding(mesh, spec).check(tuple(x.shape), path=f"input {name!r}")
         out[name] = _annotate.spec_to_layout(spec, mesh)
     return out
@@ -300,10 +324,12 @@ def _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts
         for r in records
     ]  # fmt: skip
     notes = {"trace": traced.path}
+    for name in traced.call.chosen:
+        notes[f"{name} (set by meshlib)"] = repr(traced.call.constants[name])
     if traced.reason:
         notes["trace fallback reason"] = traced.reason
     if groups:
-        notes["fused projections"] = ", ".join(f"{n} ({k} parts)" for n, k in sorted(groups.items()))
+        notes["fused projections"] = ", ".join(f"{n} ({k} parts)" for n, (_, k) in sorted(groups.items()))
     fallback = sorted({str(p.view.node.target) for p in plans.values() if p.replicated_fallback})
     if fallback:
         notes["ops run replicated (no rule)"] = ", ".join(fallback)
@@ -393,4 +419,4 @@ def _special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:
     return out
 
 
-__all__ = ["Compiled", "compile_model", "default_in_spec"]
+__all__ = ["Compiled", "compile_model", "default_in_spec", "input_layouts"]

@@ -28,9 +28,6 @@ returns the loss.
 
 from __future__ import annotations
 
-import copy
-import inspect
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +44,8 @@ from meshlib.cost import zero_level
 from . import annotate as _annotate
 from .propagate import Axes
 from .shapes import local_shape
-from .stages import LayerCosts
+from .stages import LayerCosts, meta_copy
+from .call import Call, pick_loss
 from .trace import Untraceable, _canonical_params
 
 
@@ -80,6 +78,7 @@ class _Cut:
     index: int
     last: bool
     absent: tuple  # meta stand-ins for the model inputs this stage does not receive
+    call: Call  # how the model is called: its tensors by name, the fixed values, which output is the loss
     receives: tuple[int, ...] = ()  # the model inputs received after the hidden state (stage > 0)
     sends: tuple[int, ...] = ()  # the model inputs sent on after the hidden state (not the last stage)
     hidden: torch.Tensor | None = None  # the activation received, while the forward runs
@@ -96,8 +95,9 @@ class _Stage:
             cut.hidden, inputs = args[0], list(cut.absent)
             for i, x in zip(cut.receives, args[1:], strict=True):
                 inputs[i] = x
+        call_args, call_kwargs = cut.call.arguments(dict(zip(cut.call.names, inputs)))
         try:
-            out = super().forward(*inputs)
+            out = super().forward(*call_args, **call_kwargs)
         except _StageOutput as stop:
             return (stop.value, *(inputs[i] for i in cut.sends))
         finally:
@@ -106,6 +106,7 @@ class _Stage:
             raise RuntimeError(
                 f"pipeline stage {cut.index}: the model's forward returned before the stage's last layer ran"
             )
+        out = pick_loss(out, cut.call.loss)
         return cut.finish(out) if cut.finish is not None else out
 
 
@@ -147,27 +148,18 @@ def _stage_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of `model` with every parameter and buffer on meta (ties kept, no data copied)."""
-    memo: dict[int, torch.Tensor] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
-
-
 def _swap(root: nn.Module, path: str, new: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, name, new)
 
 
-def stage_modules(model: nn.Module, layers: list[str], ranges: list[tuple[int, int]], costs: LayerCosts, absent):
+def stage_modules(model: nn.Module, layers: list[str], ranges: list[tuple[int, int]], costs: LayerCosts, absent, call):
     """One meta copy of `model` per stage, cut to its layers (see the module docstring)."""
     owns = lambda path: any(True for _ in model.get_submodule(path).parameters())  # noqa: E731
     before, after = [p for p in costs.before if owns(p)], [p for p in costs.after if owns(p)]
     out = []
     for s, (a, b) in enumerate(ranges):
-        stage, cut = _meta_copy(model), _Cut(s, s == len(ranges) - 1, tuple(absent))
+        stage, cut = meta_copy(model), _Cut(s, s == len(ranges) - 1, tuple(absent), call)
         for i, path in enumerate(layers):
             if not a <= i < b:
                 _swap(stage, path, _PassThrough())
@@ -228,37 +220,37 @@ def _boundary(name: str, t: torch.Tensor) -> Boundary:
 
 
 def split_eager(
-    model: nn.Module, /, *, reason: Untraceable, mesh: Mesh, example_inputs: tuple, layers: list[str], ranges,
+    model: nn.Module, /, *, reason: Untraceable, mesh: Mesh, call: Call, layers: list[str], ranges,
     costs: LayerCosts, in_specs=None, zero=0, precision: Precision | None = None, recompute: str = "none",
     sequence_parallel: bool = False, pp_axis: str = "pp", microbatches: int = 1,
 ):  # fmt: skip
     """`(compiled, stages)` for an untraceable model: its `EagerStages` and a `Compiled` without a
-    graph (what the runtime reads: parameters, layouts, inputs, options, the plan). `example_inputs`
-    is one global microbatch. Pure: every check runs here, before any process group exists."""
-    from .compile import _input_layouts, data_axes
+    graph (what the runtime reads: parameters, layouts, inputs, options, the plan). `call` is the
+    model's call on one global microbatch. Pure: every check runs here, before any process group exists."""
+    from .compile import data_axes, input_layouts
 
-    names = _input_names(model, len(example_inputs))
-    in_layouts = _input_layouts(names, in_specs, mesh, example_inputs)
+    names = call.names
+    in_layouts = input_layouts(call.tensors, in_specs, mesh)
     data = data_axes(in_layouts, mesh)
     _check_supported(reason, mesh, pp_axis, data, zero, sequence_parallel, recompute)
     own = next(model.parameters()).dtype
     precision = precision or Precision(*[str(own).removeprefix("torch.")] * 3)
     local = tuple(torch.empty(local_shape(tuple(x.shape), in_layouts[n], mesh.axis_sizes), dtype=x.dtype, device="meta")
-                  for n, x in zip(names, example_inputs, strict=True))  # fmt: skip
-    modules = stage_modules(model, layers, ranges, costs, local)
+                  for n, x in call.tensors.items())  # fmt: skip
+    modules = stage_modules(model, layers, ranges, costs, local, call)
     compute = getattr(torch, precision.param)
     if compute != own:
         for mod in modules:
             mod.to(compute)  # the activations' dtype as the runtime computes them
     canon, aliases = _canonical_params(model)
     stages = _stages(modules, layers, ranges, local, names, aliases)
-    compiled = _compiled(model, reason, mesh, names, in_layouts, data, precision, canon, aliases)
+    compiled = _compiled(model, reason, mesh, call, in_layouts, data, precision, canon, aliases)
     plan = compiled.plan
     compiled.plan = plan.replace(collectives=plan.collectives + _loss_mean(stages, data, mesh, microbatches))
     return compiled, stages
 
 
-def _compiled(model, reason: Untraceable, mesh: Mesh, names, in_layouts, data, precision, canon, aliases):
+def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, data, precision, canon, aliases):
     """The `Compiled` of an eager model: every parameter replicated, gradients summed over `data`."""
     from .compile import Compiled, Options, _with_data_parallel, model_state
     from .trace import Traced
@@ -266,13 +258,13 @@ def _compiled(model, reason: Untraceable, mesh: Mesh, names, in_layouts, data, p
     axes = Axes(mesh.axis_names, mesh.axis_sizes)
     layouts = {n: _annotate.spec_to_layout(P(), mesh) for n in canon}
     synced = {n for n, p in canon.items() if p.requires_grad} if data else set()
-    traced = Traced(None, "eager", f"fx: {reason.fx}; torch.export: {reason.export}", canon, aliases)
+    traced = Traced(None, "eager", f"fx: {reason.fx}; torch.export: {reason.export}", canon, aliases, call)
     notes = {"trace": f"failed\nfx: {reason.fx}\nexport: {reason.export}", "sequence parallel": "off"}
     placements = {n: tuple(map(repr, lay)) for n, lay in layouts.items()}
     plan = Plan(mesh, specs={n: P() for n in canon}, notes=notes, placements=placements)
     options = Options(0, precision, "none", ())
     plan = _with_data_parallel(plan, traced, layouts, axes, data, options, synced)
-    compiled = Compiled(mesh, axes, None, traced, [], [], dict(plan.specs), layouts, in_layouts, names, plan)
+    compiled = Compiled(mesh, axes, None, traced, [], [], dict(plan.specs), layouts, in_layouts, call.names, plan)
     compiled.data_axes, compiled.options, compiled.synced_params = data, options, synced
     compiled.buffers = dict(model.named_buffers())
     compiled.plan = plan.replace(memory=model_state(compiled))
@@ -295,13 +287,6 @@ def _stages(modules, layers: list[str], ranges, local: tuple, names: list[str], 
     ] + [()]
     params = [{aliases.get(name, name) for name, _ in mod.named_parameters(remove_duplicate=False)} for mod in modules]
     return EagerStages(modules, list(ranges), ins, outs, sends, params)
-
-
-def _input_names(model: nn.Module, n: int) -> list[str]:
-    """The names of the forward's first `n` positional parameters (`input_<i>` where it has none)."""
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    named = [p.name for p in inspect.signature(model.forward).parameters.values() if p.kind in kinds]
-    return named[:n] if len(named) >= n else [f"input_{i}" for i in range(n)]
 
 
 def _check_supported(

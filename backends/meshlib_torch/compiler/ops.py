@@ -292,9 +292,11 @@ def split(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
 
 
 def cat(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """Shards of a dim other than `dim` stay. An empty 1-D input (which torch.cat skips) is read as it is."""
     dim = v.p.get("dim", 0) % len(v.out_shape)
     n = len(cur)
-    out = [Strategy((s,) * n, s) for s in _shards(cur) if s.dim != dim]
+    skipped = [v.shape(x) == (0,) and len(v.out_shape) > 1 for x in v.tensors]
+    out = [Strategy(tuple(c if sk else s for c, sk in zip(cur, skipped)), s) for s in _shards(cur) if s.dim != dim]
     return out + [Strategy((PARTIAL,) * n, PARTIAL), Strategy((R,) * n, R)]
 
 
@@ -328,6 +330,117 @@ def like(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     return [Strategy((s,), s) for s in _shards(cur)] + [Strategy((PARTIAL,), R), Strategy((R,), R)]
 
 
+def dimwise(v: OpView, cur: list[Placement], hint=(), *, fixed: tuple[int, ...] = (), linear: bool = False):
+    """Ops along some dims of their inputs (`fixed`, which must be whole), elementwise along the others:
+    a shard of any other dim stays (every input split the same way). Linear ops keep partial sums."""
+    nd = len(v.out_shape)
+    out = []
+    for s in _shards(cur):
+        d = _input_dim_to_out(v, v.tensors[cur.index(s)], s.dim)
+        if d in fixed:
+            continue
+        ins = tuple(Shard(a, s.groups) if (a := _aligned(v, x, d)) is not None else R for x in v.tensors)
+        cand = Strategy(ins, Shard(d, s.groups))
+        if cand not in out and d < nd:
+            out.append(cand)
+    if linear:
+        out.append(Strategy((PARTIAL,) * len(cur), PARTIAL))
+    return out + [Strategy((R,) * len(cur), R)]
+
+
+def scan(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """cumsum along `dim`: linear, elementwise along the other dims."""
+    return dimwise(v, cur, hint, fixed=(v.p["dim"] % len(v.out_shape),), linear=True)
+
+
+def diff(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    dim = v.p.get("dim", -1)
+    return dimwise(v, cur, hint, fixed=(dim % len(v.out_shape),))
+
+
+def pad(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """The padded dims (the last len(pad)/2) are whole; a shard of any other dim stays."""
+    nd = len(v.out_shape)
+    padded = tuple(range(nd - len(v.p["pad"]) // 2, nd))
+    return dimwise(v, cur, hint, fixed=padded)
+
+
+def new(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """`x.new_ones(size)` and kin: the output is whole on every rank; `x` is only asked its dtype."""
+    return [Strategy((cur[0],), R)]
+
+
+def gather(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """`x.gather(dim, index)`: along other dims x and index split alike; along `dim`, index may be
+    split with x whole."""
+    nd = len(v.out_shape)
+    dim = v.p["dim"] % nd
+    xs, ix = v.shape(v.tensors[0]), v.shape(v.tensors[1])
+    out = []
+    for s in _shards(cur):
+        if s.dim == dim:
+            out.append(Strategy((R, s), s))
+        elif xs[s.dim] == ix[s.dim]:
+            out.append(Strategy((s, s), s))
+    return out + [Strategy((R, R), R)]
+
+
+def index_select(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """`x.index_select(dim, index)`: x split along another dim, or the index split (x whole); linear in x."""
+    dim = v.p["dim"] % len(v.out_shape)
+    out = [Strategy((s, R), s) for s in _shards(cur[:1]) if s.dim != dim]
+    if isinstance(cur[1], Shard):
+        out.append(Strategy((R, cur[1]), Shard(dim, cur[1].groups)))
+    return out + [Strategy((PARTIAL, R), PARTIAL), Strategy((R, R), R)]
+
+
+def index_tensor(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """`x[i0, i1, ...]` with index tensors in adjacent dims (advanced indexing): x split along a dim no
+    index reads, or the index tensors split alike along a dim of their broadcast shape (x whole);
+    linear in x."""
+    indices = list(v.p["indices"])
+    x_nd = len(v.shape(v.tensors[0]))
+    read = [d for d, i in enumerate(indices) if i is not None]
+    n = len(cur)
+    whole = [Strategy((R,) * n, R)]
+    if not read or read != list(range(read[0], read[-1] + 1)) or len(v.tensors) - 1 != len(read):
+        return whole
+    first, width = read[0], len(v.out_shape) - (x_nd - len(read))  # the broadcast index dims in the output
+    out = [Strategy((PARTIAL,) + (R,) * (n - 1), PARTIAL)]
+    for s in _shards(cur[:1]):
+        if s.dim not in read:
+            od = s.dim if s.dim < first else s.dim - len(read) + width
+            out.insert(0, Strategy((s,) + (R,) * (n - 1), Shard(od, s.groups)))
+    for k, s in enumerate(cur[1:], start=1):
+        if not isinstance(s, Shard):
+            continue
+        j = s.dim + width - len(v.shape(v.tensors[k]))  # the broadcast dim it is
+        ins = [R]
+        for idx in v.tensors[1:]:
+            shape = v.shape(idx)
+            a = j - (width - len(shape))
+            ins.append(R if a < 0 or shape[a] == 1 else Shard(a, s.groups))
+        cand = Strategy(tuple(ins), Shard(first + j, s.groups))
+        if cand not in out:
+            out.insert(0, cand)
+    return out + whole
+
+
+def stack(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    dim = v.p.get("dim", 0) % len(v.out_shape)
+    n = len(cur)
+    out = [Strategy((s,) * n, Shard(s.dim + (s.dim >= dim), s.groups)) for s in _shards(cur)]
+    return out + [Strategy((PARTIAL,) * n, PARTIAL), Strategy((R,) * n, R)]
+
+
+def unbind(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    nd = len(v.shape(v.tensors[0]))
+    dim = (v.p.get("dim") or 0) % nd
+    k = len(v.out)
+    out = [Strategy((s,), (Shard(s.dim - (s.dim > dim), s.groups),) * k) for s in _shards(cur) if s.dim != dim]
+    return out + [Strategy((PARTIAL,), (PARTIAL,) * k), Strategy((R,), (R,) * k)]
+
+
 def replicate(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     """Any op: every input whole, the output whole on every rank."""
     return [Strategy((R,) * len(cur), R)]
@@ -342,6 +455,8 @@ RULES = {
     "view": view, "transpose": permute, "permute": permute, "expand": expand,
     "repeat_interleave": repeat_interleave, "split": split, "cat": cat, "index": index,
     "slice": slice_, "select": slice_, "tri": tri, "like": like, "unknown": replicate,
+    "pointwise": pointwise, "scan": scan, "diff": diff, "pad": pad, "new": new, "gather": gather,
+    "index_select": index_select, "index_tensor": index_tensor, "stack": stack, "unbind": unbind,
 }  # fmt: skip
 
 __all__ = ["RULES", "Strategy", "Partial", "Replicate"]

@@ -93,6 +93,8 @@ def cost(src: Placement, dst: Placement, full_bytes: float, n: int, *, slice_ok:
     if not allowed(src, dst):
         return INF
     k = kind(src, dst)
+    if k is None and isinstance(src, Replicate) and not grad:
+        return 0.0  # a local slice of a value nothing differentiates (a mask, positions, targets)
     if k in (None, "reduce_scatter") and not slice_ok:
         return INF
     if k is None:

@@ -17,6 +17,8 @@ runtime sums its gradient between them.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -65,17 +67,56 @@ class LayerCosts:
         return out
 
 
-def layer_costs(model: nn.Module, layers: list[str], example_inputs: tuple, by: str = "flops") -> LayerCosts:
-    """Per layer: forward FLOPs (`FlopCounterMode`, on the meta device), or the bytes of its
-    parameters; and the same for what runs before the first layer and after the last."""
+def graph_costs(compiled, model: nn.Module, layers: list[str], by: str = "flops") -> LayerCosts:
+    """Cost per layer from the compiled graph, without running anything: the forward FLOPs torch's
+    FlopCounterMode counted on each op's shapes when the model was traced (`count_flops`), summed
+    per layer, or the bytes of each layer's parameters. What runs before the first layer (the
+    embeddings) is the first stage's, what runs after the last (final norm, head, loss) the last's."""
+    _check_balance(by)
+    n = len(layers)
+    if by == "params":
+        size = lambda ps: float(sum(q.numel() * q.element_size() for q in ps))  # noqa: E731
+        in_layers = {id(p) for path in layers for p in model.get_submodule(path).parameters()}
+        ends = {0: {}, n + 1: {}}
+        for node, part in compiled.parts.items():
+            for a in node.all_input_nodes:
+                if a.op == "get_attr" and a.meta.get("param") and part in ends:
+                    p = compiled.traced.params[a.target]
+                    if id(p) not in in_layers:
+                        ends[part][a.target] = p
+        per = [size(model.get_submodule(path).parameters()) for path in layers]
+        return LayerCosts(per, size(ends[0].values()), size(ends[n + 1].values()))
+    per = [0.0] * (n + 2)
+    for node, part in compiled.parts.items():
+        per[part] += float(node.meta.get("flops", 0))
+    return LayerCosts(per[1 : n + 1], per[0], per[n + 1])
+
+
+def _check_balance(by: str) -> None:
     if by not in ("flops", "params"):
         raise ValueError(f"balance={by!r}: use 'flops' or 'params'")
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` with every parameter and buffer on meta (ties kept, no data copied)."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def layer_costs(model: nn.Module, layers: list[str], call, by: str = "flops") -> LayerCosts:
+    """For a model that cannot be traced: per layer, forward FLOPs (`FlopCounterMode`) or parameter
+    bytes, from one run of a meta copy of the model (shapes only: no values are read); and the
+    outermost modules that run before the first layer and after the last (`LayerCosts.before/after`)."""
+    _check_balance(by)
     from torch.utils.flop_counter import FlopCounterMode
 
+    model = meta_copy(model)
     mods = [model.get_submodule(path) for path in layers]
     in_layers = {id(p) for m in mods for p in m.parameters()}
-    device = next(model.parameters()).device
-    inputs = tuple(torch.empty_like(x, device=device) if torch.is_tensor(x) else x for x in example_inputs)
+    args, kwargs = call.arguments({n: torch.empty_like(x, device="meta") for n, x in call.tensors.items()})
     counter = FlopCounterMode(display=False, depth=None)
     marks: dict[str, float] = {}
     seen: dict[str, dict[int, torch.nn.Parameter]] = {"first": {}, "last": {}}
@@ -112,7 +153,12 @@ def layer_costs(model: nn.Module, layers: list[str], example_inputs: tuple, by: 
     hooks += [mods[0].register_forward_pre_hook(start), mods[-1].register_forward_hook(end)]
     try:
         with counter, torch.no_grad():
-            model(*inputs)
+            model(*args, **kwargs)
+    except (RuntimeError, NotImplementedError) as err:
+        raise ValueError(
+            f"the model cannot run on the meta device to find its stages' costs and boundaries ({err}). "
+            "Fix: make the forward run on shapes alone (no .item() or data-dependent Python branches)"
+        ) from err
     finally:
         for h in hooks:
             h.remove()

@@ -17,6 +17,9 @@ The graph is then normalized so that later passes see one vocabulary:
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import inspect
 import operator
 import re
 import sys
@@ -29,6 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .call import Call, LossChoiceError, describe, pick_loss
+from .regions import inline_regions, run_node_in_region
+
 _TORCH_DIR = re.compile(r"[/\\](torch|meshlib_torch[/\\]compiler)[/\\]")
 
 
@@ -39,6 +45,7 @@ class Traced:
     reason: str = ""  # why symbolic tracing failed, when path == "export"
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # canonical FQN -> parameter
     aliases: dict[str, str] = field(default_factory=dict)  # every FQN -> canonical FQN
+    call: Call | None = None  # the example call: graph inputs by name, constants, the loss output
 
 
 class _Tracer(fx.Tracer):
@@ -73,27 +80,35 @@ class _Tracer(fx.Tracer):
         return node
 
 
-def trace(model: nn.Module, example_inputs: tuple, /) -> Traced:
-    """Trace `model` called on `example_inputs` (tensors of the global shape, any device)."""
+def trace(model: nn.Module, call: Call, /, *, count_flops: bool = False) -> Traced:
+    """Trace `model` called as `call` (tensors of the global shape, any device); the graph returns the loss
+    (`call.loss`, see `call.pick_loss`) and takes the call's tensors as inputs, by name."""
     canon, aliases = _canonical_params(model)
     try:
-        graph = _Tracer(model).trace(model)
-        gm = fx.GraphModule(model, graph)
+        gm = _fx(model, call)
         path, reason = "fx", ""
     except Exception as err:  # noqa: BLE001 - any tracer failure means: try export
         reason = _reason(err)
         try:
-            gm = _export(model, example_inputs)
+            gm = _export(model, call)
+        except LossChoiceError:
+            raise
         except Exception as export_err:  # noqa: BLE001 - both paths failed: say why, once each
+            if isinstance(export_err.__cause__, LossChoiceError):
+                raise export_err.__cause__ from None
             raise Untraceable(reason, _reason(export_err)) from export_err
         path = "export"
     _inline_leaf_modules(gm, model)
+    inline_regions(gm)
     _canonicalize_attrs(gm, aliases)
     _split_linear_bias(gm)
+    _split_addmm(gm)
     gm.graph.lint()
     gm.recompile()
-    annotate_values(gm, example_inputs)
-    return Traced(gm, path, reason, canon, aliases)
+    annotate_values(gm, call, count_flops=count_flops)
+    if path == "fx":
+        _select_output(gm, call)
+    return Traced(gm, path, reason, canon, aliases, call)
 
 
 class Untraceable(ValueError):
@@ -134,14 +149,97 @@ def _canonical_params(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
     return canon, aliases
 
 
-def _export(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
+def _fx(model: nn.Module, call: Call) -> fx.GraphModule:
+    """torch.fx's symbolic trace, every non-tensor argument fixed to its value in `call`."""
+    sig = call.signature
+    if sig is None:
+        raise TypeError("the forward has no signature to trace")
+    params = sig.parameters
+    var = [n for n in call.tensors if n not in params or params[n].kind is inspect.Parameter.VAR_POSITIONAL]
+    if var:
+        raise TypeError(f"inputs {var} go through *args or **kwargs, which fx cannot name")
+    concrete = {}
+    for name, p in params.items():
+        if name in call.tensors or p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        concrete[name] = call.constants.get(name, p.default)
+    graph = _Tracer(model).trace(model, concrete_args=concrete or None)
+    gm = fx.GraphModule(model, graph)
+    _drop_fixed_inputs(gm, set(call.tensors))
+    return gm
+
+
+def _drop_fixed_inputs(gm: fx.GraphModule, tensors: set[str]) -> None:
+    """fx keeps a fixed (concrete) argument as a placeholder guarded by asserts: drop both, using its value."""
+    graph = gm.graph
+    asserts = {torch._assert, fx._symbolic_trace._assert_is_none}
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.target not in tensors]:
+        value = node.args[0] if node.args else None
+        guarded = [u for u in node.users if u.target in asserts]
+        chained = [u for u in node.users if any(v.target in asserts for v in u.users)]
+        for g in guarded + [v for u in chained for v in u.users if v.target in asserts]:
+            graph.erase_node(g)
+        for u in chained:
+            if not u.users:
+                graph.erase_node(u)
+        for user in list(node.users):
+            user.args = fx.node.map_arg(user.args, lambda a, node=node, value=value: value if a is node else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, node=node, value=value: value if a is node else a)
+        graph.erase_node(node)
+
+
+def _select_output(gm: fx.GraphModule, call: Call) -> None:
+    """Make the fx graph return the loss alone (`pick_loss` on the traced output's values)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    nodes = {}
+
+    def val(a: fx.Node):
+        v = a.meta.get("val")
+        nodes[id(v)] = a
+        return v
+
+    structure = fx.node.map_arg(out.args[0], val)
+    picked = pick_loss(structure, call.loss)
+    if id(picked) not in nodes:
+        raise ValueError(
+            f"loss={call.loss!r} must pick one of the model's outputs ({describe(structure)}) when the model traces "
+            "with torch.fx; compute anything else in the forward"
+        )
+    out.args = (nodes[id(picked)],)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _calling(model: nn.Module, call: Call) -> nn.Module:
+    """`model` (its parameters, buffers and FQNs) with a forward that takes the call's tensors by name,
+    passes the fixed values, and returns the loss: what torch.export traces."""
+    cls = type(model)
+
+    def forward(self, **tensors):
+        args, kwargs = call.arguments(tensors)
+        return pick_loss(cls.forward(self, *args, **kwargs), call.loss)
+
+    view = copy.copy(model)  # shares the parameter and module dicts: same tensors, same names
+    view.__class__ = type(f"{cls.__name__}Call", (cls,), {"forward": forward, "__module__": cls.__module__})
+    return view
+
+
+def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    args = tuple(torch.empty_like(x, device=device) if torch.is_tensor(x) else x for x in example_inputs)
-    ep = torch.export.export(model, args, strict=False)
+    # fresh tensors: export merges inputs that are the same tensor (ids passed as labels too)
+    tensors = {n: torch.empty_like(x, device=device) for n, x in call.tensors.items()}
+    ep = torch.export.export(_calling(model, call), (), tensors, strict=False)
     gm = ep.module()
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = out.args[0]
+    out.args = (flat[0] if isinstance(flat, (tuple, list)) and len(flat) == 1 else flat,)
+    gm.graph.set_codegen(fx.graph.CodeGen())  # plain inputs in, the loss out (no pytree specs)
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(holders, call.tensors, strict=True):
+        node.target = name  # export may rename an input that shadows another name
     gm.graph.eliminate_dead_code()
     return gm
 
@@ -269,26 +367,60 @@ def _split_linear_bias(gm: fx.GraphModule) -> None:
             node.replace_all_uses_with(add, delete_user_cb=lambda user, add=add: user is not add)
 
 
+def _split_addmm(gm: fx.GraphModule) -> None:
+    """`addmm(bias, x, w)` (Hugging Face's Conv1D) becomes `mm(x, w) + bias`: the bias is added once,
+    after a row-parallel product's sum, as with a Linear's."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (torch.addmm, torch.ops.aten.addmm.default):
+            continue
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 3:
+            continue
+        bias, x, w = node.args
+        with graph.inserting_before(node):
+            mm = graph.call_function(torch.ops.aten.mm.default, (x, w))
+            add = graph.call_function(torch.ops.aten.add.Tensor, (mm, bias))
+        mm.meta = {k: v for k, v in node.meta.items() if k != "val"}
+        add.meta = dict(mm.meta)
+        node.replace_all_uses_with(add)
+        graph.erase_node(node)
+
+
 # -- values -------------------------------------------------------------------------------
 class _Recorder(fx.Interpreter):
+    """Runs the graph, noting each node's value and, with a `FlopCounterMode`, its forward FLOPs."""
+
+    def __init__(self, gm: fx.GraphModule, flops=None):
+        super().__init__(gm)
+        self.flops = flops
+
     def run_node(self, n: fx.Node):
-        out = super().run_node(n)
+        before = self.flops.get_total_flops() if self.flops is not None else 0
+        out = run_node_in_region(n, lambda: super(_Recorder, self).run_node(n))
         n.meta["val"] = out
+        if self.flops is not None:
+            n.meta["flops"] = self.flops.get_total_flops() - before
         return out
 
 
-def annotate_values(gm: fx.GraphModule, example_inputs: tuple) -> None:
-    """Run `gm` on fake tensors; every node gets `meta["val"]` (global shapes)."""
+def annotate_values(gm: fx.GraphModule, call: Call, *, count_flops: bool = False) -> None:
+    """Run `gm` on meta or fake tensors: every node gets `meta["val"]` (global shapes) and, with
+    `count_flops`, `meta["flops"]` (its forward FLOPs, by torch's FlopCounterMode: the pipeline's
+    stage cost, counted from shapes alone)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     tensors = list(gm.parameters()) + list(gm.buffers())
+    inputs = list(call.tensors.values())
+    counter = FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()
     if tensors and all(t.is_meta for t in tensors):
-        # meta kernels alone are several times faster than fake tensors
-        metas = tuple(torch.empty_like(x, device="meta") if torch.is_tensor(x) else x for x in example_inputs)
-        _Recorder(gm).run(*metas)
+        # meta kernels alone are several times faster than fake tensors (autocast regions: see regions.py)
+        with counter:
+            _Recorder(gm, counter if count_flops else None).run(*(torch.empty_like(x, device="meta") for x in inputs))
         return
     device = tensors[0].device if tensors else torch.device("cpu")
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fakes = tuple(mode.from_tensor(x.to(device)) if torch.is_tensor(x) else x for x in example_inputs)
-        _Recorder(gm).run(*fakes)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, counter:
+        fakes = [mode.from_tensor(torch.empty_like(x, device=device)) for x in inputs]
+        _Recorder(gm, counter if count_flops else None).run(*fakes)
 
 
 def source_line(node: fx.Node) -> str:

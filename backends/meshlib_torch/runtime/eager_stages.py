@@ -1,9 +1,10 @@
 """Running the stages of an untraceable model, cut by module FQN (`compiler.fqn_split`).
 
 Each pp rank fills only its stages' meta copies of the model: every parameter
-they hold is drawn by `init_full` under its canonical FQN (the values the
-single-process reference draws), one `nn.Parameter` per name however many
-local stages hold it, and the buffers are the model's own. The stages run
+they hold is the model's own value, or is drawn by `init_full` under its
+canonical FQN (the values the single-process reference draws), one
+`nn.Parameter` per name however many local stages hold it, and the buffers
+are the model's own. The model's whole copies are released once taken. The stages run
 under torch's pipelining with the same schedules as the traced path
 (`make_schedule`) and train with the same `Pipelined`: the loss comes from the
 last stage, gradients are summed over the data-parallel ranks by `GradSync`,
@@ -31,8 +32,8 @@ from ..compiler.fqn_split import EagerStages
 from ..compiler.trace import _set_attr
 from . import dist as mdist
 from .comm import COUNTER
-from .materialize import init_full
-from .parallel import Parallel, _cast_params, _dtype, _real_buffers
+from . import weights
+from .parallel import Parallel, _cast_params, _dtype, real_buffers
 from .pipeline import Pipelined, count_sends, data_grad_sync, make_schedule, tied_groups
 
 
@@ -62,11 +63,12 @@ def build_eager(model: nn.Module, compiled, stages: EagerStages, core, *, init, 
     local = [s for s in range(n) if core.placement[s] == pp_rank]
     device = torch.device("cuda", torch.cuda.current_device()) if mdist.device_type() == "cuda" else torch.device("cpu")
     compute = _dtype(compiled.options.precision.param)
-    root = _materialize(compiled, set().union(*(stages.params[s] for s in local)), init, seed, device)
+    root = _materialize(model, compiled, set().union(*(stages.params[s] for s in local)), init, seed, device)
     par = Parallel(compiled, root, dm)
+    par.microbatches = microbatches
     if compute in (torch.bfloat16, torch.float16):
         par.fp32_init = _cast_params(root, compute)
-    _real_buffers(model, compiled)  # meta buffers made real (`init_buffers`), as the traced path does
+    real_buffers(model, compiled)  # meta buffers made real (`init_buffers`), as the traced path does
     buffers = dict(model.named_buffers(remove_duplicate=False))
     params = dict(root.named_parameters())
     modules = [_fill(stages.modules[s], params, buffers, compiled.traced.aliases, device, compute) for s in local]
@@ -90,13 +92,22 @@ def build_eager(model: nn.Module, compiled, stages: EagerStages, core, *, init, 
     return pipe
 
 
-def _materialize(compiled, names: set[str], init, seed: int, device) -> nn.Module:
-    """A module holding the named parameters by canonical FQN, with the reference's values."""
+def _materialize(model: nn.Module, compiled, names: set[str], init, seed: int, device) -> nn.Module:
+    """A module holding the named parameters by canonical FQN: the model's values (whose whole copies
+    are then released, and compared across ranks) or the reference's drawn ones."""
     root = nn.Module()
-    for name in sorted(names):
-        p = compiled.traced.params[name]
-        value = init_full(name, tuple(p.shape), p.dtype, init, seed).to(device)
-        _set_attr(root, name, nn.Parameter(value, requires_grad=p.requires_grad))
+    holders = weights.Holders(model) if init is None else None
+    sums = {}
+    for name, p in list(compiled.traced.params.items()):
+        if init is None:
+            sums[name] = weights.checksum(p)
+        if name in names:
+            value = weights.full_value(name, p, init=init, seed=seed).to(device)
+            _set_attr(root, name, nn.Parameter(value, requires_grad=p.requires_grad))
+        if holders is not None:
+            compiled.traced.params[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+            holders.release(p)
+    weights.agree(sums, device)
     return root
 
 

@@ -22,12 +22,14 @@ from meshlib import Mesh, Precision
 
 from ..compiler import placements as pl
 from ..compiler.compile import Compiled, compile_model
+from ..compiler.call import batch_call
+from ..compiler.regions import apply_regions
 from ..compiler.split import layer_paths, split_graph
 from ..compiler.trace import _set_attr
 from . import dist as mdist
 from .comm import COUNTER, Comm, local_slice
 from .fsdp import apply_fsdp, set_sync, unshardable
-from .materialize import init_local
+from . import weights
 from .optim import GradSync, LossScaler, MeshAdamW
 from .recompute import Recompute
 from .special import CrossEntropy, VocabEmbedding
@@ -56,6 +58,7 @@ class Parallel(nn.Module):
         self.fsdp_units: list[nn.Module] = []
         self.grad_sync: GradSync | None = None
         self.fp32_init: dict[str, torch.Tensor] = {}  # fp32 values of bf16/fp16 parameters, for the masters
+        self.microbatches = 1  # a pipeline's global batch holds this many of the compiled call's
 
     @property
     def plan(self):
@@ -78,20 +81,23 @@ class Parallel(nn.Module):
                 x = local_slice(x, p, self._coords[axis], n)
         return x
 
-    def forward(self, *inputs: torch.Tensor):
-        names = self.compiled.input_names
-        if len(inputs) != len(names):
-            raise TypeError(f"the compiled model takes {len(names)} inputs ({', '.join(names)}), got {len(inputs)}")
-        for name, x in zip(names, inputs):
-            want = tuple(self.compiled.traced.gm.graph.find_nodes(op="placeholder", target=name)[0].meta["val"].shape)
-            if tuple(x.shape) != want:
+    def local_inputs(self, args: tuple = (), kwargs: dict | None = None) -> list[torch.Tensor]:
+        """This rank's parts of a call's tensors, in graph-input order (the call is checked first)."""
+        call = self.compiled.traced.call
+        tensors = call.bind(args, kwargs)
+        for (name, want), x in zip(call.tensors.items(), tensors):
+            want = (want.shape[0] * self.microbatches, *want.shape[1:]) if want.dim() else ()
+            if tuple(x.shape) != tuple(want):
                 raise ValueError(
-                    f"input {name!r} has shape {tuple(x.shape)} but the model was compiled for {want}. "
+                    f"input {name!r} has shape {tuple(x.shape)} but the model was compiled for {tuple(want)}. "
                     "Fix: recompile with example inputs of this shape"
                 )
-        local = [self.shard_input(n, x) for n, x in zip(names, inputs)]
-        out = self.gm(*local)
-        if isinstance(out, (tuple, list)) and len(out) == 1:  # a split export graph loses its pytree codegen
+        return [self.shard_input(n, x) for n, x in zip(call.tensors, tensors)]
+
+    def forward(self, *args, **kwargs):
+        """The loss of the global batch, called as the model is (positional and keyword inputs)."""
+        out = self.gm(*self.local_inputs(args, kwargs))
+        if isinstance(out, (tuple, list)) and len(out) == 1:  # split_module's graph returns a 1-tuple
             out = out[0]
         out_dtype = _dtype(self.compiled.plan.precision.output)
         return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out
@@ -121,8 +127,9 @@ class Parallel(nn.Module):
             opt.scaler = LossScaler()
         return opt
 
-    def train_step(self, microbatches: list[tuple], opt: MeshAdamW) -> float:
-        """Forward and backward over `microbatches` (each a global batch of inputs), then one update.
+    def train_step(self, microbatches: list, opt: MeshAdamW) -> float:
+        """Forward and backward over `microbatches` (each a global batch of inputs: a tuple of positional
+        inputs or a dict of keyword inputs), then one update.
 
         Gradients are summed over the data-parallel axes only after the last
         microbatch; each microbatch's loss is scaled by 1/k, so the step equals
@@ -132,7 +139,8 @@ class Parallel(nn.Module):
         total = 0.0
         for i, inputs in enumerate(microbatches):
             self.set_gradient_sync(i == k - 1)
-            loss = self(*inputs) / k
+            args, kwargs = batch_call(inputs)
+            loss = self(*args, **kwargs) / k
             total += float(loss.detach())
             (opt.scaler.scale_loss(loss) if opt.scaler else loss).backward()
         opt.step()
@@ -159,8 +167,10 @@ def parallelize(
     *,
     mesh: Mesh,
     rules,
-    example_inputs: tuple,
-    init: Callable[[str], tuple[str, float]],
+    example_inputs: tuple | dict = (),
+    example_kwargs: dict | None = None,
+    loss=None,
+    init: Callable[[str], tuple[str, float]] | None = None,
     seed: int = 0,
     sequence_parallel: bool = False,
     in_specs=None,
@@ -181,6 +191,17 @@ def parallelize(
 ):
     """Compile `model` and build it on this rank's devices (call on every rank).
 
+    The model is called as `model(*example_inputs, **example_kwargs)` (see `compile_model`,
+    which also says how `loss=` picks the loss from its outputs); the result is called the same
+    way, on the global batch, and returns the loss.
+
+    Weights: a model with real parameters trains from them. Each rank keeps its shard and the
+    model's whole copy of each parameter is released as it is taken (the model is left on the
+    meta device), so a rank's peak while building is the model plus one parameter's shard;
+    every rank must be given the same weights, which is checked. A model built on the meta
+    device needs `init=` (name -> ("normal", std) | ("zeros", 0) | ("ones", 0)), whose values
+    are the single process's with `seed`; `init=` with real weights is an error.
+
     Every check (mesh size against the world, rules, specs, input shapes)
     runs before the first collective, so bad input raises on every rank alike.
     `zero` shards optimizer state (1), gradients (2) and parameters (3) over the
@@ -196,13 +217,15 @@ def parallelize(
     `timeout` (seconds) bounds every collective and send/receive of this
     model's process groups (default: the world group's).
     """
+    weights.check_source(model, init)
     mdist.init()
     mesh.check_world_size(torch.distributed.get_world_size())
     if pp_axis in mesh and mesh.axis_size(pp_axis) > 1:
         from .pipeline import parallelize_pipeline
 
         return parallelize_pipeline(
-            model, mesh=mesh, rules=rules, example_inputs=example_inputs, init=init, seed=seed,
+            model, mesh=mesh, rules=rules, example_inputs=example_inputs, example_kwargs=example_kwargs, loss=loss,
+            init=init, seed=seed,
             sequence_parallel=sequence_parallel, in_specs=in_specs, zero=zero, precision=precision, recompute=recompute,
             microbatches=microbatches, schedule=schedule, chunks=chunks, pp_axis=pp_axis, split_points=split_points,
             balance=balance, timeout=timeout,
@@ -213,7 +236,8 @@ def parallelize(
             f"(gradient accumulation), or add a {pp_axis!r} axis to the mesh"
         )
     compiled = compiled or compile_model(
-        model, mesh=mesh, rules=rules, example_inputs=example_inputs, in_specs=in_specs,
+        model, mesh=mesh, rules=rules, example_inputs=example_inputs, example_kwargs=example_kwargs, loss=loss,
+        in_specs=in_specs,
         sequence_parallel=sequence_parallel, zero=zero, precision=precision, recompute=recompute,
         replicate_axes=replicate_axes,
     )  # fmt: skip
@@ -283,7 +307,11 @@ def _cast_params(gm: nn.Module, dtype: torch.dtype, only: set[str] | None = None
 
 def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, buffer_dtype=None, only=None) -> fx.GraphModule:
     """The local GraphModule for this rank: parameters (the names in `only`, else all), buffers,
-    collectives and special ops."""
+    collectives and special ops.
+
+    Each parameter is this rank's shard of the model's own value, or of the values `init` draws
+    (`weights`). The model's whole copy of each parameter is released as soon as it is taken,
+    and then every rank's checksums of the model's weights are compared (one small all-reduce)."""
     mesh, axes = compiled.mesh, compiled.axes
     device = (
         torch.device(mdist.device_type(), torch.cuda.current_device())
@@ -294,16 +322,25 @@ def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, buffer_d
     coords = mesh.coords(rank)
     groups = {a: mdist.group(dm, a) for a in mesh.axis_names}
     root = nn.Module()
-    for name, p in compiled.traced.params.items():
-        if only is not None and name not in only:
-            continue  # another pipeline stage's
-        layout = compiled.param_layouts[name]
-        local = init_local(
-            name, tuple(p.shape), p.dtype, layout, axes.sizes, [coords[a] for a in axes.names], init, seed
-        )
-        dt = DTensor.from_local(local.to(device), dm, torch_placements(layout), shape=p.shape, stride=_stride(p.shape))
-        _set_attr(root, name, nn.Parameter(dt, requires_grad=p.requires_grad))
-    for name, b in _real_buffers(model, compiled).items():
+    holders = weights.Holders(model, compiled.traced.gm) if init is None else None
+    sums = {}
+    for name, p in list(compiled.traced.params.items()):
+        if init is None:
+            sums[name] = weights.checksum(p)
+        if only is None or name in only:
+            layout = compiled.param_layouts[name]
+            local = weights.local_value(
+                name, p, layout, axes.sizes, [coords[a] for a in axes.names], init=init, seed=seed
+            )
+            dt = DTensor.from_local(
+                local.to(device), dm, torch_placements(layout), shape=p.shape, stride=_stride(p.shape)
+            )
+            _set_attr(root, name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        if holders is not None:  # the whole copy goes as soon as this rank has its shard
+            compiled.traced.params[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+            holders.release(p)
+    weights.agree(sums, device)
+    for name, b in real_buffers(model, compiled).items():
         b = b.to(buffer_dtype) if buffer_dtype is not None and b.is_floating_point() else b
         _set_attr(root, name, b.to(device))
     for spec in compiled.comms:
@@ -312,7 +349,7 @@ def lower(compiled: Compiled, dm, model: nn.Module, *, init, seed: int, buffer_d
         cls = VocabEmbedding if spec.kind == "vocab_embedding" else CrossEntropy
         axis = spec.args.get("axis")
         root.add_module(spec.name, cls(**spec.args, rank=coords.get(axis, 0), groups=groups, ranks=coords))
-    graph = _retarget_devices(compiled.graph, device)
+    graph = executable(compiled.graph, device)
     if only is not None:
         return root  # the pipeline builds each stage's graph on this root
     return fx.GraphModule(root, graph)
@@ -322,7 +359,7 @@ def _stride(shape) -> tuple[int, ...]:
     return torch.empty(tuple(shape), device="meta").stride()
 
 
-def _real_buffers(model: nn.Module, compiled: Compiled) -> dict[str, torch.Tensor]:
+def real_buffers(model: nn.Module, compiled: Compiled) -> dict[str, torch.Tensor]:
     """Buffers with values: meta buffers are re-made on CPU and filled by `model.init_buffers()`."""
     names = set(compiled.buffers)
     bufs = dict(model.named_buffers())
@@ -338,13 +375,16 @@ def _real_buffers(model: nn.Module, compiled: Compiled) -> dict[str, torch.Tenso
     return {n: bufs[n] for n in names if n in bufs}
 
 
-def _retarget_devices(graph: fx.Graph, device: torch.device) -> fx.Graph:
+def executable(graph: fx.Graph, device: torch.device) -> fx.Graph:
+    """A copy of a compiled graph to run on `device`: tensors it makes are made there, and the ops of
+    grad-mode and autocast regions run under their modes (`regions.apply_regions`)."""
     new = fx.Graph()
     new.output(new.graph_copy(graph, {}))
-    new._codegen = graph._codegen  # export graphs unflatten their outputs with a pytree codegen
+    new._codegen = graph._codegen
     for node in new.nodes:
         if "device" in node.kwargs:
             node.kwargs = {**node.kwargs, "device": device}
+    apply_regions(new)
     return new
 
 

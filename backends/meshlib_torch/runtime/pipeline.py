@@ -34,6 +34,7 @@ from torch.distributed.pipelining import schedules as _torch_schedules
 
 from meshlib import schedule as core_schedule
 
+from ..compiler.call import batch_call
 from ..compiler.fqn_split import EagerStages
 from ..compiler.shapes import local_shape
 from .comm import COUNTER
@@ -121,9 +122,8 @@ class Pipelined(nn.Module):
 
     def train_step(self, microbatches_or_batch, opt) -> float:
         """One step over the global batch (the same on every rank); returns the mean loss everywhere."""
-        batch = microbatches_or_batch
-        names = self.compiled.input_names
-        local = [self.par.shard_input(n, x) for n, x in zip(names, batch)]
+        args, kwargs = batch_call(microbatches_or_batch)
+        local = self.par.local_inputs(args, kwargs)
         losses: list[torch.Tensor] = []
         if self.par.grad_sync is not None:
             self.par.grad_sync.enabled = False
@@ -302,16 +302,18 @@ def tied_groups(stage_graphs, core, compiled, pp_axis: str):
 
 
 def parallelize_pipeline(
-    model: nn.Module, /, *, mesh, rules, example_inputs: tuple, init, seed: int, sequence_parallel: bool, in_specs,
+    model: nn.Module, /, *, mesh, rules, example_inputs, example_kwargs, loss, init, seed: int, sequence_parallel: bool,
+    in_specs,
     zero, precision, recompute: str, microbatches: int, schedule: str, chunks: int | None, pp_axis: str,
     split_points, balance: str, timeout: float | None = None,
 ) -> Pipelined:
     """`parallelize` for a mesh with a pipeline axis (call on every rank; every check comes first)."""
     from . import dist as mdist
-    from .parallel import Parallel, _cast_params, _dtype, _retarget_devices, lower
+    from .parallel import Parallel, _cast_params, _dtype, executable, lower
 
     compiled, stages, core = compile_pipeline(
-        model, mesh=mesh, rules=rules, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
+        model, mesh=mesh, rules=rules, example_inputs=example_inputs, example_kwargs=example_kwargs, loss=loss,
+        sequence_parallel=sequence_parallel,
         in_specs=in_specs, zero=zero, precision=precision, recompute=recompute, microbatches=microbatches,
         schedule=schedule, chunks=chunks, pp_axis=pp_axis, split_points=split_points, balance=balance,
     )  # fmt: skip
@@ -331,10 +333,11 @@ def parallelize_pipeline(
     compute = _dtype(opts.precision.param)
     root = lower(compiled, dm, model, init=init, seed=seed, buffer_dtype=compute, only=only)
     par = Parallel(compiled, root, dm)
+    par.microbatches = microbatches  # it is called on the global batch, m microbatches of the compiled call
     if compute in (torch.bfloat16, torch.float16):
         par.fp32_init = _cast_params(root, compute)
     device = next((b.device for b in root.buffers()), torch.device("cpu"))
-    stages.graphs = [_retarget_devices(g, device) for g in stages.graphs]
+    stages.graphs = [executable(g, device) for g in stages.graphs]
     data_grad_sync(par, dm)
     pipe = build(
         par, stages, root,
@@ -358,28 +361,38 @@ def data_grad_sync(par, dm) -> None:
 
 
 def compile_pipeline(
-    model: nn.Module, /, *, mesh, rules, example_inputs: tuple, sequence_parallel: bool = False, in_specs=None,
-    zero=0, precision=None, recompute: str = "none", microbatches: int, schedule: str = "1f1b",
-    chunks: int | None = None, pp_axis: str = "pp", split_points=None, balance: str = "flops",
-    estimate_memory: bool = False,
+    model: nn.Module, /, *, mesh, rules, example_inputs=(), example_kwargs=None, loss=None,
+    sequence_parallel: bool = False, in_specs=None, zero=0, precision=None, recompute: str = "none",
+    microbatches: int, schedule: str = "1f1b", chunks: int | None = None, pp_axis: str = "pp", split_points=None,
+    balance: str = "flops", estimate_memory: bool = False,
 ):
     """The pure part of pipelining (no processes): checks, the compiled microbatch graph, its stages,
     the schedule, and the plan with both. `meshlib plan` uses it as it is.
 
-    A model neither fx nor torch.export can trace is split by module FQN on the eager model
-    (`EagerStages`, and a `Compiled` without a graph); the plan's notes say so, with both reasons."""
+    The stage cost is counted from shapes (each op's FLOPs as the model is traced, or parameter
+    bytes); nothing runs on values. A model neither fx nor torch.export can trace is split by module
+    FQN on the eager model (`EagerStages`, and a `Compiled` without a graph), its cost from a run of a
+    meta copy; the plan's notes say so, with both reasons."""
     from meshlib.cost import zero_level
 
+    from ..compiler.call import Call, bind_call
     from ..compiler.compile import compile_model
     from ..compiler.fqn_split import split_eager
     from ..compiler.split import layer_paths
-    from ..compiler.stages import build_stages, layer_costs, stage_ranges
+    from ..compiler.stages import build_stages, graph_costs, layer_costs, stage_ranges
     from ..compiler.trace import Untraceable
 
     name, v = _schedule_name(schedule, chunks)
     p = mesh.axis_size(pp_axis)
-    batch = example_inputs[0].shape[0]
-    if microbatches < 1 or batch % microbatches:
+    call = example_inputs if isinstance(example_inputs, Call) else bind_call(model, example_inputs, example_kwargs, loss=loss)
+    batches = {n: x.shape[0] if x.dim() else None for n, x in call.tensors.items()}
+    batch = next(iter(batches.values()))
+    if any(b != batch for b in batches.values()):
+        raise ValueError(
+            f"the inputs' batch sizes differ ({batches}); a pipeline splits every input into microbatches "
+            "along dim 0. Fix: give every tensor input the batch as its first dim"
+        )
+    if microbatches < 1 or batch is None or batch % microbatches:
         raise ValueError(
             f"the batch of {batch} does not split into {microbatches} microbatches. Fix: make the batch a "
             f"multiple of the microbatch count, or pick a count that divides {batch}"
@@ -389,23 +402,26 @@ def compile_pipeline(
             "pipeline parallelism composes with zero=0 or 1 here; ZeRO-2/3 (FSDP2) inside stages is not built yet"
         )
     core = core_schedule(name, p, microbatches, v)  # checks p, m and v before any communication
-    micro = tuple(x.chunk(microbatches)[0] if torch.is_tensor(x) else x for x in example_inputs)
+    micro = call.micro(microbatches)
     layers = layer_paths(model)
-    costs = layer_costs(model, layers, micro, by=balance)
-    ranges = stage_ranges(costs, p * core.v, split_points=split_points)
     try:
         compiled = compile_model(
             model, mesh=mesh, rules=rules, example_inputs=micro, in_specs=in_specs, sequence_parallel=sequence_parallel,
             zero=zero, precision=precision, recompute=recompute, estimate_memory=estimate_memory,
+            count_flops=balance == "flops",
         )  # fmt: skip
     except Untraceable as reason:
+        costs = layer_costs(model, layers, micro, by=balance)
+        ranges = stage_ranges(costs, p * core.v, split_points=split_points)
         compiled, stages = split_eager(
-            model, reason=reason, mesh=mesh, example_inputs=micro, layers=layers, ranges=ranges, costs=costs,
+            model, reason=reason, mesh=mesh, call=micro, layers=layers, ranges=ranges, costs=costs,
             in_specs=in_specs, zero=zero, precision=precision, recompute=recompute,
             sequence_parallel=sequence_parallel, pp_axis=pp_axis, microbatches=microbatches,
         )  # fmt: skip
         split = "by module FQN on the eager model"
     else:
+        costs = graph_costs(compiled, model, layers, by=balance)
+        ranges = stage_ranges(costs, p * core.v, split_points=split_points)
         stages = build_stages(
             compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans, compiled.comms
         )
