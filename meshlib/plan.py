@@ -75,6 +75,7 @@ class Boundary:
     shape: tuple[int, ...]
     dtype: str
     bytes: int
+    grad: bool = True  # its gradient goes back in backward (a mask or token ids: no)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.fx as fx
 
-from meshlib import Mesh, P, apply_rules, tree_shardings
+from meshlib import Mesh, P, PatternRules, apply_rules, tree_shardings
 
 from .bind import bind
 from .placements import PARTIAL, Layout, R, Shard
@@ -57,9 +57,38 @@ def layout_to_spec(layout: Layout, mesh: Mesh, ndim: int) -> P:
     return P(*entries, unreduced=unreduced)
 
 
-def param_specs(params: dict[str, torch.Tensor], rules, mesh: Mesh) -> dict[str, P]:
-    """Apply the rules; every spec is checked against the mesh and the parameter's shape."""
-    specs = apply_rules(params, rules) if callable(rules) else dict(rules)
+def param_specs(
+    params: dict[str, torch.Tensor], rules, mesh: Mesh, aliases: dict[str, str] | None = None
+) -> dict[str, P]:
+    """Apply the rules; every spec is checked against the mesh and the parameter's shape.
+
+    A tied parameter (`aliases`: every FQN -> its canonical one) has one layout: the rules see it
+    under each of its names, and those must agree (an embedding tied to a head written as
+    `lm_head.weight` gets that name's spec; two different specs raise, naming both)."""
+    aliases = aliases or {n: n for n in params}
+    names = {alias: params[canon] for alias, canon in aliases.items() if canon in params}
+    if callable(rules):
+        every = apply_rules(names, rules)
+    else:
+        every = {n: s for n, s in dict(rules).items() if n in names}
+    # a pattern table's default is no statement about a name: only names a pattern matched count
+    stated = (lambda a: bool(rules.matches(a))) if isinstance(rules, PatternRules) else (lambda a: a in every)
+    specs: dict[str, P] = {}
+    conflicts = []
+    for canon in params:
+        given = {a: every[a] for a, c in aliases.items() if c == canon and a in every and stated(a)}
+        distinct = set(given.values())
+        if len(distinct) > 1:
+            conflicts.append(", ".join(f"{spec!r} as {a}" for a, spec in sorted(given.items())))
+        elif distinct:
+            specs[canon] = distinct.pop()
+        elif canon in every:
+            specs[canon] = every[canon]
+    if conflicts:
+        raise ValueError(
+            f"tied parameters get different specs under their names: {'; '.join(conflicts)}. A tied parameter has "
+            "one layout: give every name of it the same spec"
+        )
     missing = sorted(set(params) - set(specs))
     if missing:
         raise ValueError(f"no spec for parameters {missing}; give every parameter a spec or a rule default")

@@ -27,6 +27,9 @@ class OpView:
     kind: str
     p: dict[str, Any] = field(default_factory=dict)  # bound arguments by canonical name
     tensors: list[fx.Node] = field(default_factory=list)  # tensor inputs, in rule order
+    # while a rule runs for one mesh axis: the inputs' and the output's shapes on a rank after the
+    # earlier axes' shards (a shard's groups count in those); None: the global shapes
+    local: tuple[list[tuple[int, ...]], tuple[int, ...]] | None = None
 
     @property
     def out(self):

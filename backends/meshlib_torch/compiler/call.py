@@ -104,7 +104,9 @@ def batch_call(batch) -> tuple[tuple, dict]:
     raise TypeError(f"a batch is a tuple of positional inputs or a dict of keyword inputs, not {type(batch).__name__}")
 
 
-def bind_call(model: nn.Module, example_inputs=(), example_kwargs: Mapping | None = None, *, loss: LossSpec = None) -> Call:
+def bind_call(
+    model: nn.Module, example_inputs=(), example_kwargs: Mapping | None = None, *, loss: LossSpec = None
+) -> Call:
     """Bind an example call of `model` (`example_inputs` a tuple or a dict, plus `example_kwargs`)."""
     args, kwargs = batch_call(example_inputs)
     kwargs = {**kwargs, **dict(example_kwargs or {})}
@@ -176,7 +178,9 @@ def pick_loss(out, loss: LossSpec = None):
                 return getattr(out, loss)
             return out[loss]
         except (KeyError, IndexError, AttributeError, TypeError):
-            raise LossChoiceError(f"loss={loss!r}: the model's output has no such entry; it returns {describe(out)}") from None
+            raise LossChoiceError(
+                f"loss={loss!r}: the model's output has no such entry; it returns {describe(out)}"
+            ) from None
     if torch.is_tensor(out):
         return out
     if isinstance(out, Mapping) and torch.is_tensor(out.get("loss")):

@@ -22,14 +22,14 @@ from meshlib.cost import fsdp2_memory, zero_level, zero_memory
 
 from . import annotate as _annotate
 from .call import Call, LossSpec, bind_call
-from .moe import check_not_moe
 from .localize import SpecialSpec, fold_scalars, localize
+from .moe import check_not_moe
 from .placements import Layout, Shard, zero1_split
 from .propagate import Axes, NodePlan, propagate
-from .redistribute import CommSpec, collective_records, insert_comms, partial_grad_params
+from .redistribute import CommSpec, collective_records, data_gathers, insert_comms, partial_grad_params
 from .shapes import local_shape
 from .split import layer_paths, partition
-from .trace import Traced, trace
+from .trace import Traced, source_line, trace
 
 
 @dataclass
@@ -111,6 +111,7 @@ def compile_model(
     replicate_axes: tuple[str, ...] = (),
     estimate_memory: bool = False,
     count_flops: bool = False,
+    allow_data_gather: bool = False,
 ) -> Compiled:
     """Compile `model` for `mesh`: no processes, no real memory (the model may be on meta).
 
@@ -136,7 +137,7 @@ def compile_model(
     if precision is None:  # compute, reduce and output in the model's own dtype
         own = str(next(model.parameters()).dtype).removeprefix("torch.")
         precision = Precision(own, own, own)
-    options = Options(zero_level(zero), precision, _recompute(recompute), tuple(replicate_axes))
+    options = Options(zero_level(zero), precision, _recompute(recompute), tuple(replicate_axes), allow_data_gather)
     if isinstance(example_inputs, Call):
         call = example_inputs
     else:
@@ -162,6 +163,27 @@ class Options:
     precision: Precision
     recompute: str
     replicate_axes: tuple[str, ...]
+    allow_data_gather: bool = False
+
+
+def _refuse_data_gathers(comms: list[CommSpec], plans, axes: Axes, data: tuple[str, ...]) -> None:
+    """Raise where an activation would be gathered over a data axis (see `redistribute.data_gathers`)."""
+    found = data_gathers(comms, plans, axes, data) if data else []
+    if not found:
+        return
+    lines = []
+    for spec, axis, no_rule in found[:5]:
+        why = "it has no rule, so it runs whole on every rank" if no_rule else "its rules need that input whole"
+        lines.append(
+            f"{spec.op} (node {spec.consumer}, at {spec.source or 'an unknown line'}) needs {spec.producer} "
+            f"{list(spec.shape)} whole over data axis {axis!r}: {why}"
+        )
+    more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+    raise ValueError(
+        "data parallelism would collapse: " + "; ".join(lines) + more + ". Gathering an activation over a "
+        "data-parallel axis makes every rank of it compute the whole batch from there on. Fix: write that part of "
+        "the forward with ops meshlib can split, or pass allow_data_gather=True to accept the gather"
+    )
 
 
 RECOMPUTE = ("none", "block", "selective")
@@ -177,7 +199,7 @@ def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, opt
     traced = trace(model, call, count_flops=count_flops)
     gm = traced.gm
     fold_scalars(gm)
-    specs = _annotate.param_specs(traced.params, rules, mesh)
+    specs = _annotate.param_specs(traced.params, rules, mesh, traced.aliases)
     groups = _annotate.fuse_groups(gm)
     layouts = {n: _annotate.spec_to_layout(s, mesh) for n, s in specs.items()}
     layouts = {n: _annotate.with_groups(lay, groups[n]) if n in groups else lay for n, lay in layouts.items()}
@@ -201,6 +223,8 @@ def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, opt
             "Fix: use zero=0, or keep those activations split over the batch"
         )
     comms = insert_comms(gm, plans, axes, deferred=data)
+    if not options.allow_data_gather:
+        _refuse_data_gathers(comms, plans, axes, data)
     specials = localize(gm, plans, axes, set(traced.params))
     gm.graph.lint()
     plan = _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts)
@@ -330,15 +354,28 @@ def _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts
         notes["trace fallback reason"] = traced.reason
     if groups:
         notes["fused projections"] = ", ".join(f"{n} ({k} parts)" for n, (_, k) in sorted(groups.items()))
-    fallback = sorted({str(p.view.node.target) for p in plans.values() if p.replicated_fallback})
+    fallback = [node for node, p in plans.items() if p.replicated_fallback]
     if fallback:
-        notes["ops run replicated (no rule)"] = ", ".join(fallback)
+        notes["ops run whole on every rank (no rule)"] = "\n".join(
+            f"{node.name} ({op_name(node.target)}) at {source_line(node) or 'an unknown line'}" for node in fallback
+        )
     notes["sequence parallel"] = "on" if sp else "off"
     placements = {n: tuple(repr(p) for p in layouts[n]) for n in specs}
     return Plan(
         mesh, specs=specs, collectives=collectives, notes=notes,
         placements=placements,
     )  # fmt: skip
+
+
+def op_name(target) -> str:
+    """`aten.cumsum.default`, `torch.special.erfcx`, `Tensor.foo`: how a node's target reads in a plan."""
+    if isinstance(target, str):
+        return f"Tensor.{target}"
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    module = getattr(target, "__module__", None) or ""
+    module = {"torch._C._special": "torch.special", "torch._C._nn": "torch.nn.functional"}.get(module, module)
+    return f"{module}.{getattr(target, '__name__', target)}".lstrip(".")
 
 
 def model_state(compiled: Compiled) -> Memory:

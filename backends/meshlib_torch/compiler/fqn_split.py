@@ -42,10 +42,10 @@ from meshlib import Boundary, Collective, Mesh, P, Plan, Precision
 from meshlib.cost import zero_level
 
 from . import annotate as _annotate
+from .call import Call, pick_loss
 from .propagate import Axes
 from .shapes import local_shape
 from .stages import LayerCosts, meta_copy
-from .call import Call, pick_loss
 from .trace import Untraceable, _canonical_params
 
 
@@ -215,8 +215,9 @@ def _describe(value) -> str:
     return f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
 
 
-def _boundary(name: str, t: torch.Tensor) -> Boundary:
-    return Boundary(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), math.prod(t.shape) * t.element_size())
+def _boundary(name: str, t: torch.Tensor, grad: bool) -> Boundary:
+    nbytes = math.prod(t.shape) * t.element_size()
+    return Boundary(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), nbytes, grad)
 
 
 def split_eager(
@@ -282,7 +283,7 @@ def _stages(modules, layers: list[str], ranges, local: tuple, names: list[str], 
     ins = [local] + [(hidden[b], *(local[i] for i in sent[b])) for b in range(n - 1)]
     outs = ins[1:] + [(hidden[-1],)]
     sends = [
-        (_boundary(layers[ranges[b][1] - 1], hidden[b]), *(_boundary(names[i], local[i]) for i in sent[b]))
+        (_boundary(layers[ranges[b][1] - 1], hidden[b], True), *(_boundary(names[i], local[i], False) for i in sent[b]))
         for b in range(n - 1)
     ] + [()]
     params = [{aliases.get(name, name) for name, _ in mod.named_parameters(remove_duplicate=False)} for mod in modules]

@@ -130,7 +130,7 @@ def _ce_args(plan: NodePlan, axes: Axes) -> dict:
     reduction = plan.view.p.get("reduction", "mean")
     reduction = {0: "none", 1: "mean", 2: "sum"}.get(reduction, reduction)
     vocab = [a for a, p in zip(axes.names, logits) if p == Shard(1)]
-    rows = [a for a, p in zip(axes.names, logits) if p == Shard(0)]
+    rows = [a for a, p in zip(axes.names, logits) if isinstance(p, Shard) and p.dim == 0]
     n_classes = plan.view.shape(plan.view.tensors[0])[1]
     vocab_size = math.prod(_sizes(axes)[a] for a in vocab)
     local = local_shape(plan.view.shape(plan.view.tensors[0]), logits, axes.sizes)

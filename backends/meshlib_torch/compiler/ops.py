@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .bind import OpView, dims_arg
 from .placements import PARTIAL, Partial, Placement, R, Replicate, Shard
-from .shapes import view_dim_map
+from .shapes import view_shards
 
 Out = Placement | tuple[Placement, ...]
 
@@ -220,8 +220,8 @@ def cross_entropy(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     reduction = v.p.get("reduction", "mean")
     plain = v.p.get("weight") is None and not v.p.get("label_smoothing") and reduction in ("mean", "sum", 1, 2)
     out = []
-    if plain and cur[0] == Shard(0):
-        out.append(Strategy((Shard(0), Shard(0)), PARTIAL))
+    if plain and isinstance(cur[0], Shard) and cur[0].dim == 0:  # rows in any order: their losses are summed
+        out.append(Strategy((cur[0], cur[0]), PARTIAL))
     if plain and cur[0] == Shard(1):
         out.append(Strategy((Shard(1), R), R))
     out.append(Strategy((R, R), R))
@@ -230,12 +230,12 @@ def cross_entropy(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
 
 # -- shapes ---------------------------------------------------------------------------------
 def view(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """A shard stays a shard through merges and splits (in groups where it is not the run's major dim)."""
     s = cur[0]
     out = []
     if isinstance(s, Shard):
-        dst = view_dim_map(v.shape(v.tensors[0]), v.out_shape, s.dim, s.groups)
-        if dst is not None:
-            out.append(Strategy((s,), Shard(dst, s.groups)))
+        src, dst = (v.local[0][0], v.local[1]) if v.local else (v.shape(v.tensors[0]), v.out_shape)
+        out += [Strategy((s,), Shard(*d)) for d in view_shards(src, dst, s.dim, s.groups)]
     return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
 
 

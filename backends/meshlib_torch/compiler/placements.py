@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 INF = float("inf")
+SLICE_COST = 1e-6  # below any collective's bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,9 @@ def cost(src: Placement, dst: Placement, full_bytes: float, n: int, *, slice_ok:
         return INF
     k = kind(src, dst)
     if k is None and isinstance(src, Replicate) and not grad:
-        return 0.0  # a local slice of a value nothing differentiates (a mask, positions, targets)
+        # a local slice of a value nothing differentiates (a mask, positions, targets): next to free, but
+        # not free, so that a value no consumer needs split stays whole
+        return SLICE_COST
     if k in (None, "reduce_scatter") and not slice_ok:
         return INF
     if k is None:

@@ -62,7 +62,7 @@ def _choose(view: OpView, cur: list[Layout], axes: Axes, i: int, shape_after: li
     hint = [Shard(d) for a, d, size in axes.slice_dims if a == name and len(shape) > d and shape[d] == size]
     best, best_cost = None, INF
     for strat in RULES.get(view.kind, RULES["unknown"])(view, cur_i, hint):
-        if not _fits(view, strat, n, shape_after):
+        if not fits(view, strat, n, shape_after):
             continue
         total = 0.0
         # a new activation shard may start only where the op's output lands on a slice dim
@@ -82,7 +82,7 @@ def _choose(view: OpView, cur: list[Layout], axes: Axes, i: int, shape_after: li
     return best
 
 
-def _fits(view: OpView, strat: Strategy, n: int, shape_after: list) -> bool:
+def fits(view: OpView, strat: Strategy, n: int, shape_after: list) -> bool:
     """Every shard in the strategy divides its (already locally sharded) dim evenly."""
     outs = strat.output if isinstance(strat.output, tuple) else (strat.output,)
     out_vals = view.out if isinstance(view.out, (list, tuple)) else [view.out]
@@ -135,6 +135,15 @@ def propagate(
     return plans
 
 
+def _shrunk(shape: tuple[int, ...], layout, axes: Axes) -> tuple[int, ...]:
+    """`shape` after the shards of `layout` (the first axes' placements)."""
+    out = list(shape)
+    for p, n in zip(layout, axes.sizes):
+        if isinstance(p, Shard) and p.dim < len(out):
+            out[p.dim] //= n
+    return tuple(out)
+
+
 def _plan_op(view: OpView, plans: dict, axes: Axes, avail: dict) -> NodePlan:
     cur = [plans[x].out for x in view.tensors]
     multi = isinstance(view.out, (list, tuple))
@@ -147,7 +156,10 @@ def _plan_op(view: OpView, plans: dict, axes: Axes, avail: dict) -> NodePlan:
                 lay[i] = R
             continue
         shapes = _local_shapes(view, [tuple(x) for x in need], axes, i)
+        if not multi:
+            view.local = (shapes, _shrunk(tuple(view.out.shape), out_per_axis, axes))
         strat = _choose(view, cur, axes, i, shapes, avail)
+        view.local = None
         for x, lay, p in zip(view.tensors, need, strat.inputs):
             lay[i] = p
             avail.setdefault(

@@ -168,6 +168,26 @@ def _insert(gm, specs, x, have, need, grad_dst, first_user, val=None) -> fx.Node
     return node
 
 
+def data_gathers(specs: list[CommSpec], plans: dict[fx.Node, NodePlan], axes: Axes, data: tuple[str, ...]):
+    """The inserted collectives that gather a batch-dependent value over a data axis in forward (an
+    all-gather or all-to-all there): from that op on every rank of the axis computes the whole batch.
+    A gather into the graph's output (a returned activation) collapses no computation and is left out.
+    Returns `(spec, axis, no_rule)` for each."""
+    batch = batch_dependence(plans, axes)
+    by_name = {n.name: n for n in plans}
+    out = []
+    for spec in specs:
+        node = by_name.get(spec.producer)
+        consumer = by_name.get(spec.consumer)
+        if node is None or consumer is None or consumer.op == "output":
+            continue
+        for k, axis, _a, _b in spec.steps(axes, "forward"):
+            i = axes.names.index(axis)
+            if axis in data and k in ("all_gather", "all_to_all") and batch[node][i]:
+                out.append((spec, axis, plans[consumer].replicated_fallback))
+    return out
+
+
 def collective_records(specs: list[CommSpec], axes: Axes) -> list[dict]:
     """Per-step collectives with bytes per rank (payload: the value on one rank with that axis whole)."""
     out = []
@@ -193,4 +213,4 @@ def collective_records(specs: list[CommSpec], axes: Axes) -> list[dict]:
     return out
 
 
-__all__ = ["CommSpec", "insert_comms", "collective_records", "R"]
+__all__ = ["CommSpec", "collective_records", "data_gathers", "insert_comms", "R"]

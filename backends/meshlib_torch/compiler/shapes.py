@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from .placements import Layout, Shard
@@ -36,27 +37,30 @@ def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int],
     return groups
 
 
-def view_dim_map(src: Sequence[int], dst: Sequence[int], dim: int, groups: int = 1) -> int | None:
-    """The `dst` dim a shard of `src` dim `dim` becomes under a view (None: it cannot stay sharded).
+def view_shards(src: Sequence[int], dst: Sequence[int], dim: int, groups: int = 1) -> list[tuple[int, int]]:
+    """`(dst dim, groups)` shards that a shard of `src` dim `dim` (in `groups` parts) may become
+    after a view; each is right wherever its dim splits evenly over the axis (`divides`).
 
-    A shard survives when it is the major non-trivial dim of its run: merging
-    `(heads, head_dim)` into one dim keeps a heads shard, splitting it back
-    gives the heads shard again. A grouped shard survives only an identity.
+    Within the run of dims the view merges or splits, the shard is, in the run's flat order,
+    `G` equal groups each split n ways, where `G` is `groups` times the sizes of the run's dims
+    before `dim`. In `dst` that is a shard of a dim of the run whose preceding sizes `P` divide
+    `G`, in `G / P` groups: merging `(batch, seq)` with the sequence split gives the merged dim
+    split in `batch` groups, and splitting it back gives the sequence shard again.
     """
     found = view_groups(src, dst)
     if found is None:
-        return None
+        return []
     for gi, gj in found:
         if dim not in gi:
             continue
-        major_src = next((d for d in gi if src[d] != 1), None)
-        major_dst = next((d for d in gj if dst[d] != 1), None)
-        if major_src != dim or major_dst is None:
-            return None
-        if groups > 1 and not (len([d for d in gi if src[d] != 1]) == 1 and len([d for d in gj if dst[d] != 1]) == 1):
-            return None
-        return major_dst
-    return None
+        flat = groups * math.prod(src[d] for d in gi if d < dim)
+        out, before = [], 1
+        for j in gj:
+            if flat % before == 0 and dst[j] > 1 and dst[j] % (flat // before) == 0:
+                out.append((j, flat // before))
+            before *= dst[j]
+        return out
+    return []
 
 
 def index_dim_map(shape: Sequence[int], index) -> dict[int, int | None] | None:

@@ -29,6 +29,7 @@ from torch import nn
 from meshlib import Boundary
 from meshlib.cost import min_max_partition
 
+from .placements import kind
 from .shapes import local_shape
 
 
@@ -215,7 +216,7 @@ def _stage_of_part(ranges: list[tuple[int, int]], n_layers: int):
 
 def build_stages(
     graph: fx.Graph, parts: dict[fx.Node, int], ranges: list[tuple[int, int]], n_layers: int, axes, plans,
-    comms: list | None = None,
+    comms: list | None = None, input_layouts: dict | None = None,
 ) -> StageGraphs:
     """One graph per stage, values threaded through the boundaries in between. With `comms` (the
     compiled model's, appended to), a partial sum reduce-scattered in a later stage crosses as its
@@ -267,7 +268,8 @@ def build_stages(
     inputs = [model_inputs] + live
     outputs = live + [None]
     graphs = [_stage_graph(graph, where, s, inputs[s], outputs[s]) for s in range(n)]
-    sends = [tuple(_boundary(by_name[v], axes, plans, layouts) for v in live[b]) for b in range(n - 1)] + [()]
+    sends = [tuple(_boundary(by_name[v], axes, plans, layouts, input_layouts) for v in live[b]) for b in range(n - 1)]
+    sends.append(())
     return StageGraphs(
         graphs, list(ranges), inputs, [o if o is not None else ["output"] for o in outputs], sends, params,
         layouts=layouts,
@@ -317,16 +319,28 @@ def _send_shards(graph: fx.Graph, where: dict[str, int], comms: list) -> dict[st
     return moved
 
 
-def _boundary(node: fx.Node, axes, plans, layouts: dict | None = None) -> Boundary:
+def value_layout(node: fx.Node, plans, input_layouts: dict, moved: dict | None = None):
+    """The layout a value crossing a boundary has on its rank: a collective moved to a boundary's
+    (`moved`), an inserted collective's output, the op's planned output, or an input's."""
+    if moved and node.name in moved:
+        return moved[node.name]
+    if "comm" in node.meta:
+        return node.meta["comm"].dst
+    plan = plans.get(node)
+    if plan is not None and isinstance(plan.out, tuple) and plan.out and not isinstance(plan.out[0], tuple):
+        return plan.out
+    return input_layouts.get(node.name)
+
+
+def _boundary(node: fx.Node, axes, plans, layouts: dict | None = None, input_layouts: dict | None = None) -> Boundary:
     val = node.meta["val"]
-    layout = plans[node].out if node in plans and plans[node].out is not None else (layouts or {}).get(node.name)
-    shape = (
-        local_shape(tuple(val.shape), layout, axes.sizes)
-        if isinstance(layout, tuple) and layout and not isinstance(layout[0], tuple)
-        else tuple(val.shape)
-    )
+    layout = value_layout(node, plans, input_layouts or {}, layouts)
+    shape = local_shape(tuple(val.shape), layout, axes.sizes) if layout is not None else tuple(val.shape)
     name = f"{node.args[0].name} (scattered)" if layouts and node.name in layouts else node.name
-    return Boundary(name, tuple(shape), str(val.dtype).removeprefix("torch."), math.prod(shape) * val.element_size())
+    return Boundary(
+        name, tuple(shape), str(val.dtype).removeprefix("torch."), math.prod(shape) * val.element_size(),
+        bool(val.requires_grad),
+    )
 
 
 def _stage_graph(
@@ -368,13 +382,18 @@ def _is_read(node: fx.Node) -> bool:
 
 
 def _from_buffers(node: fx.Node, _memo: dict | None = None) -> bool:
-    """A value made from buffers and constants alone (rotary tables sliced to the sequence):
-    cheaper to remake in each stage than to send through every boundary."""
+    """A value made from buffers and constants alone (rotary tables sliced to the sequence, a causal
+    mask built from positions), or this rank's slice of one: cheaper to remake in each stage than
+    to send through every boundary. Random values are never remade."""
     if node.op == "get_attr":
         return not node.meta.get("param")
-    if node.op in ("placeholder", "output") or node.op == "call_module":
+    if node.op in ("placeholder", "output") or _is_read(node):
         return False
-    if _is_read(node):
-        return False
+    if node.op == "call_module":  # a collective: only a local slice (no communication) is remade
+        spec = node.meta.get("comm")
+        local = spec is not None and all(kind(a, b) is None for a, b in zip(spec.src, spec.dst))
+        return local and all(_from_buffers(a) for a in node.all_input_nodes)
     inputs = node.all_input_nodes
-    return bool(inputs) and all(_from_buffers(a) for a in inputs)
+    if not inputs:  # arange, zeros, full: made from the graph's constants
+        return "rand" not in str(node.target) and torch.is_tensor(node.meta.get("val"))
+    return all(_from_buffers(a) for a in inputs)

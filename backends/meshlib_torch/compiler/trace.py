@@ -106,6 +106,7 @@ def trace(model: nn.Module, call: Call, /, *, count_flops: bool = False) -> Trac
     gm.graph.lint()
     gm.recompile()
     annotate_values(gm, call, count_flops=count_flops)
+    _unflatten_matmuls(gm)
     if path == "fx":
         _select_output(gm, call)
     return Traced(gm, path, reason, canon, aliases, call)
@@ -386,13 +387,60 @@ def _split_addmm(gm: fx.GraphModule) -> None:
         graph.erase_node(node)
 
 
+def _unflatten_matmuls(gm: fx.GraphModule) -> None:
+    """`x.view(-1, k) @ w (+ b)`, viewed back to `(*x.shape[:-1], n)` (Hugging Face's Conv1D), becomes
+    `x @ w (+ b)` on `x` as it is: flattening batch and sequence into one dim would make a sequence
+    shard (sequence parallelism) unsplittable, and gather it for nothing."""
+    mms = {torch.ops.aten.mm.default, torch.mm}
+    adds = {torch.ops.aten.add.Tensor, operator.add, torch.add}
+    graph = gm.graph
+    for mm in [n for n in graph.nodes if n.op == "call_function" and n.target in mms]:
+        flat, w = mm.args
+        if not (isinstance(flat, fx.Node) and len(flat.users) == 1 and _is_view(flat) and len(mm.users) == 1):
+            continue
+        x = flat.args[0]
+        shape = tuple(x.meta["val"].shape)
+        if len(shape) < 3:
+            continue
+        last, add = next(iter(mm.users)), None
+        if last.op == "call_function" and last.target in adds and len(last.users) == 1:
+            add, last = last, next(iter(last.users))
+        if not (_is_view(last) and tuple(last.meta["val"].shape)[:-1] == shape[:-1]):
+            continue
+        with graph.inserting_before(last):
+            new = graph.call_function(torch.ops.aten.matmul.default, (x, w))
+            new.meta = {**mm.meta, "val": last.meta["val"]}
+            if add is not None:
+                bias = add.args[1] if add.args[0] is mm else add.args[0]
+                new = graph.call_function(torch.ops.aten.add.Tensor, (new, bias))
+                new.meta = {**add.meta, "val": last.meta["val"]}
+        last.replace_all_uses_with(new)
+        for old in (last, add, mm, flat):
+            if old is not None:
+                graph.erase_node(old)
+    graph.lint()
+    gm.recompile()
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method") and node.target in (
+        torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+        "view", "reshape", torch.reshape,
+    )  # fmt: skip
+
+
 # -- values -------------------------------------------------------------------------------
 class _Recorder(fx.Interpreter):
     """Runs the graph, noting each node's value and, with a `FlopCounterMode`, its forward FLOPs."""
 
-    def __init__(self, gm: fx.GraphModule, flops=None):
+    def __init__(self, gm: fx.GraphModule, flops=None, fake: FakeTensorMode | None = None):
         super().__init__(gm)
-        self.flops = flops
+        self.flops, self.fake = flops, fake
+
+    def fetch_attr(self, target: str):
+        # a fake copy of a real weight: the values recorded never reach (or keep alive) the weights
+        attr = super().fetch_attr(target)
+        return self.fake.from_tensor(attr) if self.fake is not None and torch.is_tensor(attr) else attr
 
     def run_node(self, n: fx.Node):
         before = self.flops.get_total_flops() if self.flops is not None else 0
@@ -420,7 +468,7 @@ def annotate_values(gm: fx.GraphModule, call: Call, *, count_flops: bool = False
     device = tensors[0].device if tensors else torch.device("cpu")
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, counter:
         fakes = [mode.from_tensor(torch.empty_like(x, device=device)) for x in inputs]
-        _Recorder(gm, counter if count_flops else None).run(*fakes)
+        _Recorder(gm, counter if count_flops else None, mode).run(*fakes)
 
 
 def source_line(node: fx.Node) -> str:

@@ -55,7 +55,7 @@ COUNTER = CommCounter()
 
 
 # -- one axis step --------------------------------------------------------------------------
-def _blocks(x: torch.Tensor, dim: int, groups: int, n: int) -> torch.Tensor:
+def blocks(x: torch.Tensor, dim: int, groups: int, n: int) -> torch.Tensor:
     """View `dim` as (groups, n, block) and move `n` first: (n, ..., groups*block, ...) per rank."""
     shape = list(x.shape)
     block = shape[dim] // (groups * n)
@@ -64,8 +64,8 @@ def _blocks(x: torch.Tensor, dim: int, groups: int, n: int) -> torch.Tensor:
     return v.reshape([n] + shape[:dim] + [groups * block] + shape[dim + 1 :])
 
 
-def _unblocks(stacked: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
-    """Inverse of `_blocks`: (n, ..., groups*block, ...) -> the dim of size groups*n*block."""
+def unblocks(stacked: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+    """Inverse of `blocks`: (n, ..., groups*block, ...) -> the dim of size groups*n*block."""
     n, shape = stacked.shape[0], list(stacked.shape[1:])
     block = shape[dim] // groups
     v = stacked.reshape([n] + shape[:dim] + [groups, block] + shape[dim + 1 :])
@@ -87,11 +87,11 @@ def all_gather(x: torch.Tensor, p: Shard, group, n: int) -> torch.Tensor:
     x = x.contiguous()
     flat = torch.empty(_flat0((n,) + tuple(x.shape)) if x.dim() else (n,), dtype=x.dtype, device=x.device)
     _all_gather_single(flat, x if x.dim() else x.reshape(1), group=group)
-    return _unblocks(flat.reshape((n,) + tuple(x.shape)), p.dim, p.groups)
+    return unblocks(flat.reshape((n,) + tuple(x.shape)), p.dim, p.groups)
 
 
 def reduce_scatter(x: torch.Tensor, p: Shard, group, n: int) -> torch.Tensor:
-    stacked = _blocks(x, p.dim, p.groups, n).contiguous()
+    stacked = blocks(x, p.dim, p.groups, n).contiguous()
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, stacked.reshape(_flat0(stacked.shape)), group=group)
     return out
@@ -104,22 +104,22 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def local_slice(x: torch.Tensor, p: Shard, rank: int, n: int) -> torch.Tensor:
-    return _blocks(x, p.dim, p.groups, n)[rank].contiguous()
+    return blocks(x, p.dim, p.groups, n)[rank].contiguous()
 
 
 def local_pad(x: torch.Tensor, p: Shard, rank: int, n: int) -> torch.Tensor:
     """A partial sum from a shard: this rank's block in place, zeros in the others' (no communication)."""
     stacked = x.new_zeros((n,) + tuple(x.shape))
     stacked[rank] = x
-    return _unblocks(stacked, p.dim, p.groups)
+    return unblocks(stacked, p.dim, p.groups)
 
 
 def all_to_all(x: torch.Tensor, src: Shard, dst: Shard, group, n: int) -> torch.Tensor:
     """Sharded on `src.dim` -> sharded on `dst.dim` (plain shards)."""
-    parts = _blocks(x, dst.dim, dst.groups, n).contiguous()
+    parts = blocks(x, dst.dim, dst.groups, n).contiguous()
     out = torch.empty_like(parts)
     dist.all_to_all_single(out, parts, group=group)
-    return _unblocks(out, src.dim, src.groups)
+    return unblocks(out, src.dim, src.groups)
 
 
 def step(x: torch.Tensor, a, b, group, n: int, rank: int) -> torch.Tensor:

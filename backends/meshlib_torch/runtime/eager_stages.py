@@ -31,8 +31,8 @@ from torch.distributed.pipelining import PipelineStage
 from ..compiler.fqn_split import EagerStages
 from ..compiler.trace import _set_attr
 from . import dist as mdist
-from .comm import COUNTER
 from . import weights
+from .comm import COUNTER
 from .parallel import Parallel, _cast_params, _dtype, real_buffers
 from .pipeline import Pipelined, count_sends, data_grad_sync, make_schedule, tied_groups
 

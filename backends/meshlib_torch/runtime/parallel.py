@@ -21,15 +21,15 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from meshlib import Mesh, Precision
 
 from ..compiler import placements as pl
-from ..compiler.compile import Compiled, compile_model
 from ..compiler.call import batch_call
+from ..compiler.compile import Compiled, compile_model
 from ..compiler.regions import apply_regions
 from ..compiler.split import layer_paths, split_graph
 from ..compiler.trace import _set_attr
 from . import dist as mdist
+from . import weights
 from .comm import COUNTER, Comm, local_slice
 from .fsdp import apply_fsdp, set_sync, unshardable
-from . import weights
 from .optim import GradSync, LossScaler, MeshAdamW
 from .recompute import Recompute
 from .special import CrossEntropy, VocabEmbedding

@@ -37,6 +37,7 @@ from meshlib import schedule as core_schedule
 from ..compiler.call import batch_call
 from ..compiler.fqn_split import EagerStages
 from ..compiler.shapes import local_shape
+from ..compiler.stages import value_layout
 from .comm import COUNTER
 
 _TORCH = {
@@ -269,11 +270,9 @@ def _example(compiled, names: list[str], device, layouts: dict | None = None) ->
             continue
         node = by_name[name]
         val = node.meta["val"]
-        plan = compiled.plans.get(node)
-        layout = plan.out if plan is not None and plan.out is not None else compiled.input_layouts.get(name)
-        layout = (layouts or {}).get(name, layout)
+        layout = value_layout(node, compiled.plans, compiled.input_layouts, layouts)
         shape = local_shape(tuple(val.shape), layout, compiled.axes.sizes) if layout is not None else tuple(val.shape)
-        out.append(torch.zeros(shape, dtype=val.dtype, device=device, requires_grad=val.is_floating_point()))
+        out.append(torch.zeros(shape, dtype=val.dtype, device=device, requires_grad=bool(val.requires_grad)))
     return tuple(out)
 
 
@@ -384,7 +383,9 @@ def compile_pipeline(
 
     name, v = _schedule_name(schedule, chunks)
     p = mesh.axis_size(pp_axis)
-    call = example_inputs if isinstance(example_inputs, Call) else bind_call(model, example_inputs, example_kwargs, loss=loss)
+    call = example_inputs
+    if not isinstance(call, Call):
+        call = bind_call(model, example_inputs, example_kwargs, loss=loss)
     batches = {n: x.shape[0] if x.dim() else None for n, x in call.tensors.items()}
     batch = next(iter(batches.values()))
     if any(b != batch for b in batches.values()):
@@ -423,7 +424,8 @@ def compile_pipeline(
         costs = graph_costs(compiled, model, layers, by=balance)
         ranges = stage_ranges(costs, p * core.v, split_points=split_points)
         stages = build_stages(
-            compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans, compiled.comms
+            compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans, compiled.comms,
+            compiled.input_layouts,
         )
         split = f"by layer FQN on the {compiled.traced.path} graph"
     stages.costs = costs.of(ranges)
@@ -456,7 +458,7 @@ def _plan_with_stages(plan, stages, core, layers: list[str], m: int, pp_axis: st
                     "forward", m, 2,
                 )
             )  # fmt: skip
-            if bnd.dtype.startswith(("float", "bfloat")):
+            if bnd.grad:
                 records.append(
                     Collective(
                         "send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s + 1} -> {s}",

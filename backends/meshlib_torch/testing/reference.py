@@ -1,0 +1,144 @@
+"""Parity for any model: the same training on N ranks and in one process, compared.
+
+A `Trial` names how to build the model (a module-level function that builds
+the same model, with the same weights, every time it is called), each step's
+global batch, the mesh, the rules and the options. `run_parallel` runs on
+every rank (under a `RankPool` or torchrun): it builds the model, hands it to
+`parallelize` with its own weights, and trains `steps` AdamW steps. It
+returns the losses, the gradients of the first step and the parameters after
+the last, every one whole (gathered from the shards). `run_single` trains the
+unmodified model in this process with torch's own AdamW and the same settings.
+`assert_same` compares them within a tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from meshlib import Mesh, P, pattern_rules
+
+from ..compiler.call import batch_call, pick_loss
+
+BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.1
+
+
+@dataclass
+class Trial:
+    build: Callable[[], torch.nn.Module]  # module-level: the same model and weights on every call
+    batch: Callable[[int], tuple | dict]  # module-level: the global batch of step i
+    mesh: str = "dp=2"
+    rules: Callable[[Mesh], object] | None = None  # module-level: mesh -> rules (None: all replicated)
+    steps: int = 3
+    lr: float = 1e-3
+    loss: int | str | None = None
+    options: dict = field(default_factory=dict)  # more parallelize arguments (zero, microbatches, ...)
+
+
+@dataclass
+class Trace:
+    losses: list[float]
+    grads: dict[str, torch.Tensor]  # after the first step's backward, before its update
+    params: dict[str, torch.Tensor]  # after the last step
+    plan: object = None
+    comm: dict | None = None
+
+
+def run_single(trial: Trial) -> Trace:
+    """The unmodified model in one process: torch.optim.AdamW with `parallelize`'s optimizer settings."""
+    model = trial.build()
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(
+        params.values(), lr=trial.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False
+    )
+    losses, grads = [], {}
+    for step in range(trial.steps):
+        args, kwargs = batch_call(trial.batch(step))
+        loss = pick_loss(model(*args, **kwargs), trial.loss)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return Trace(losses, grads, {n: p.detach().clone() for n, p in params.items()})
+
+
+class _Recording:
+    """An optimizer that notes the whole gradients the first time it steps (a pipeline steps inside
+    `train_step`, after its gradients are summed)."""
+
+    def __init__(self, opt, params):
+        self.opt, self.params, self.grads = opt, params, None
+
+    def __getattr__(self, name):
+        return getattr(self.opt, name)
+
+    def step(self):
+        if self.grads is None:
+            self.grads = {n: _whole(p.grad) for n, p in self.params().items() if p.grad is not None}
+        return self.opt.step()
+
+
+def run_parallel(trial: Trial) -> Trace:
+    """Call on every rank; every rank returns the same whole losses, gradients and parameters."""
+    from ..runtime.comm import COUNTER
+    from ..runtime.parallel import parallelize
+
+    mesh = Mesh.parse(trial.mesh)
+    model = trial.build()
+    rules = trial.rules(mesh) if trial.rules is not None else pattern_rules({}, default=P())
+    par = parallelize(model, mesh=mesh, rules=rules, example_inputs=trial.batch(0), loss=trial.loss, **trial.options)
+    opt = _Recording(par.optimizer(lr=trial.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
+                     par.named_model_parameters)  # fmt: skip
+    losses, comm = [], None
+    for step in range(trial.steps):
+        COUNTER.reset()
+        losses.append(float(par.train_step(_step_batch(par, trial.batch(step)), opt)))
+        comm = COUNTER.snapshot()
+    mine = {n: _whole(p) for n, p in par.named_model_parameters().items()}
+    if getattr(opt.opt, "master", None):  # fp32 masters are the parameters' true values
+        mine.update({n: _whole(m) for n, m in opt.opt.master.items() if n in mine})
+    grads, params = _from_every_rank(opt.grads), _from_every_rank(mine)
+    return Trace(losses, grads, params, par.plan, comm)
+
+
+def _step_batch(par, batch):
+    """`Parallel.train_step` takes a list of microbatches; a pipeline's takes the batch."""
+    return batch if hasattr(par, "stage_modules") else [batch]
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _from_every_rank(part: dict) -> dict:
+    """Every rank's entries (pipeline ranks hold different stages)."""
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, part)
+    out = {}
+    for p in everyone:
+        out.update(p)
+    return out
+
+
+def assert_same(ref: Trace, par: Trace, *, rtol: float, atol: float) -> dict[str, float]:
+    """Raise naming what differs; else the largest differences of loss, gradient and parameter."""
+    torch.testing.assert_close(torch.tensor(par.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
+    for kind, a, b in (("grad", par.grads, ref.grads), ("param", par.params, ref.params)):
+        assert sorted(a) == sorted(b), f"{kind} names differ: {sorted(set(a) ^ set(b))}"
+        for name in b:
+            say = lambda m, n=name, k=kind: f"{k} {n}: {m}"  # noqa: E731
+            torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=say)
+    worst = lambda a, b: max(float((a[n] - b[n]).abs().max()) for n in b)  # noqa: E731
+    return {
+        "loss": max(abs(x - y) for x, y in zip(par.losses, ref.losses)),
+        "grad": worst(par.grads, ref.grads),
+        "param": worst(par.params, ref.params),
+    }
+
+
+__all__ = ["Trace", "Trial", "assert_same", "run_parallel", "run_single"]

@@ -1,0 +1,187 @@
+"""Models nobody here wrote, built the way their users build them, for the parity tests.
+
+- transformers' `GPT2LMHeadModel` (HF `Conv1D` projections, a fused qkv, tied
+  embeddings, mask construction from positions, keyword inputs, `ModelOutput`);
+- transformers' `LlamaForCausalLM` with grouped-query attention (fewer kv heads
+  than heads, expanded before attention) and a rotary embedding under no_grad;
+- a plain nanoGPT-style model written as such models usually are: it unpacks
+  `B, T, C = x.size()`, asserts on the sequence length and returns `(logits, loss)`.
+
+Each `build_*` makes the same model with the same (random) weights on every
+call, from a small config with no download; `rules_*` are Megatron's column /
+row split written against the model's own parameter names. Functions live at
+module level so that rank pools can run them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshlib as ml
+
+VOCAB, BATCH, SEQ = 96, 8, 16
+
+
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+# -- transformers' GPT-2 -----------------------------------------------------------------------
+def build_gpt2(dtype=torch.float32) -> nn.Module:
+    tf = _quiet_transformers()
+    cfg = tf.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.GPT2LMHeadModel(cfg).to(dtype).train()
+
+
+def rules_gpt2(mesh: ml.Mesh):
+    """Conv1D keeps its weight as (in, out): column-parallel splits dim 1, row-parallel dim 0."""
+    tp = "tp" if "tp" in mesh else None
+    return ml.pattern_rules(
+        {
+            "transformer.wte.weight": ml.P(tp, None),  # vocab-parallel, tied to lm_head
+            "**.attn.c_attn.weight": ml.P(None, tp),
+            "**.attn.c_attn.bias": ml.P(tp),
+            "**.attn.c_proj.weight": ml.P(tp, None),
+            "**.mlp.c_fc.weight": ml.P(None, tp),
+            "**.mlp.c_fc.bias": ml.P(tp),
+            "**.mlp.c_proj.weight": ml.P(tp, None),
+        },
+        default=ml.P(),
+    )
+
+
+# -- transformers' Llama with grouped-query attention ------------------------------------------
+def build_llama(dtype=torch.float32) -> nn.Module:
+    tf = _quiet_transformers()
+    cfg = tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(cfg).to(dtype).train()
+
+
+def rules_llama(mesh: ml.Mesh):
+    tp = "tp" if "tp" in mesh else None
+    return ml.pattern_rules(
+        {
+            "model.embed_tokens.weight": ml.P(tp, None),
+            "**.self_attn.[qkv]_proj.weight": ml.P(tp, None),
+            "**.self_attn.o_proj.weight": ml.P(None, tp),
+            "**.mlp.gate_proj.weight": ml.P(tp, None),
+            "**.mlp.up_proj.weight": ml.P(tp, None),
+            "**.mlp.down_proj.weight": ml.P(None, tp),
+            "lm_head.weight": ml.P(tp, None),
+        },
+        default=ml.P(),
+    )
+
+
+def hf_batch(step: int) -> dict:
+    """Keyword inputs, as a Hugging Face training loop passes them."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+# -- a plain nanoGPT-style model ----------------------------------------------------------------
+class _Attention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        shape = (B, T, self.n_head, C // self.n_head)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class _Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = _Attention(n_embd, n_head)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab: int = VOCAB, block_size: int = 32, n_layer: int = 2, n_head: int = 4, n_embd: int = 32):
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(0.0)
+        self.h = nn.ModuleList(_Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        assert t <= self.block_size, f"Cannot forward sequence of length {t}, block size is only {self.block_size}"
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def build_nanogpt(dtype=torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return NanoGPT().to(dtype)
+
+
+def rules_nanogpt(mesh: ml.Mesh):
+    tp = "tp" if "tp" in mesh else None
+    return ml.pattern_rules(
+        {
+            "lm_head.weight": ml.P(tp, None),  # tied to wte: vocab-parallel
+            "h.*.attn.c_attn.weight": ml.P(tp, None),
+            "h.*.attn.c_attn.bias": ml.P(tp),
+            "h.*.attn.c_proj.weight": ml.P(None, tp),
+            "h.*.mlp.0.weight": ml.P(tp, None),
+            "h.*.mlp.0.bias": ml.P(tp),
+            "h.*.mlp.2.weight": ml.P(None, tp),
+        },
+        default=ml.P(),
+    )
+
+
+def nanogpt_batch(step: int) -> tuple:
+    gen = torch.Generator().manual_seed(2000 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+MODELS = {
+    "gpt2": (build_gpt2, rules_gpt2, hf_batch, "loss"),
+    "llama": (build_llama, rules_llama, hf_batch, "loss"),
+    "nanogpt": (build_nanogpt, rules_nanogpt, nanogpt_batch, 1),
+}

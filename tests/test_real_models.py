@@ -1,0 +1,261 @@
+"""Models nobody here wrote, unmodified: the single process's numbers, or a clear error.
+
+Method (parity): every rank of a `RankPool` builds the model with the same seed and
+hands it, weights and all, to `parallelize`; 3 AdamW steps follow on the mesh. The
+parent trains the unmodified model, with the same weights and batches, with
+`torch.optim.AdamW`. Each step's loss, every gradient after the first backward and
+every parameter after the last step must agree: the nanoGPT-style model in fp64 to
+1e-12; transformers' models in fp32 to rtol/atol 1e-5 (their loss function casts the
+logits to fp32 even in an fp64 model, so fp64 buys nothing there).
+
+Method (plans, no processes): Megatron's pattern on each model's own parameter
+names, counted in the plan: per layer 2 tensor-parallel all-reduces of b*s*h forward
+and 2 backward (with sequence parallelism an all-gather plus a reduce-scatter each),
+no parameter gathered, nothing gathered over the data axis; and the bytes each rank
+counted on a real step equal the plan's.
+"""
+
+import gc
+import re
+import weakref
+
+import pytest
+import real_models as rm
+import torch
+
+import meshlib as ml
+from meshlib_torch import compile_model
+from meshlib_torch.testing.pool import RankError, get_pool
+from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
+
+pytest.importorskip("transformers")
+
+LAYERS, HIDDEN = 2, 32
+MESHES = [
+    ("dp=2", {}),
+    ("tp=2", {}),
+    ("dp=2,tp=2", {}),
+    ("pp=2", {"microbatches": 2}),
+    ("dp=2,pp=2", {"microbatches": 2}),
+]
+_REFERENCES: dict = {}
+
+
+def _trial(name: str, mesh: str, options: dict) -> Trial:
+    build, rules, batch, loss = rm.MODELS[name]
+    return Trial(build, batch, mesh=mesh, rules=rules, loss=loss, options=options, lr=1e-3)
+
+
+def _reference(name: str, trial: Trial):
+    if name not in _REFERENCES:
+        _REFERENCES[name] = run_single(trial)
+    return _REFERENCES[name]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2", "llama"])
+@pytest.mark.parametrize("mesh, options", MESHES, ids=[m for m, _ in MESHES])
+def test_parity_with_the_unmodified_model(name, mesh, options):
+    trial = _trial(name, mesh, options)
+    results = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)
+    tol = 1e-12 if name == "nanogpt" else 1e-5
+    diffs = assert_same(_reference(name, trial), results[0], rtol=tol, atol=tol)
+    assert all(r.losses == results[0].losses for r in results)  # every rank reports the same loss
+    if "pp" not in mesh:  # what each rank counted at the collective layer is what the plan says
+        planned: dict = {}
+        for c in results[0].plan.collectives:
+            key = (c.phase, c.kind, c.axes[0])
+            planned[key] = planned.get(key, 0) + c.total_bytes
+        assert results[0].comm["by_kind"] == planned
+    assert diffs["loss"] <= tol
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("name", ["gpt2", "llama", "nanogpt"])
+def test_parity_with_sequence_parallelism(name):
+    trial = _trial(name, "dp=2,tp=2", {"sequence_parallel": True})
+    results = get_pool(4).run(run_parallel, trial)
+    tol = 1e-12 if name == "nanogpt" else 1e-5
+    assert_same(_reference(name, trial), results[0], rtol=tol, atol=tol)
+
+
+# -- plans ------------------------------------------------------------------------------------
+def _plan(name: str, mesh: str, sp: bool = False) -> ml.Plan:
+    build, rules, batch, loss = rm.MODELS[name]
+    m = ml.Mesh.parse(mesh)
+    return compile_model(build(), mesh=m, rules=rules(m), example_inputs=batch(0), loss=loss, sequence_parallel=sp).plan
+
+
+def _itemsize(name: str) -> int:
+    return next(rm.MODELS[name][0]().parameters()).element_size()
+
+
+def _count(plan, phase, kind, axis, nbytes=None):
+    return sum(
+        c.count for c in plan.collectives
+        if (c.phase, c.kind, c.axes) == (phase, kind, (axis,)) and (nbytes is None or c.bytes == nbytes)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "nanogpt"])
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
+def test_megatron_pattern_on_the_models_own_names(name, mesh):
+    """Forward: the embedding's sum and 2 per layer; backward: 2 per layer and the head's input; b*s*h each."""
+    plan = _plan(name, mesh)
+    dp = ml.Mesh.parse(mesh).axis_size("dp") if "dp" in mesh else 1
+    bsh = rm.BATCH // dp * rm.SEQ * HIDDEN * _itemsize(name)
+    assert _count(plan, "forward", "all_reduce", "tp", bsh) == 2 * LAYERS + 1
+    assert _count(plan, "backward", "all_reduce", "tp", bsh) == 2 * LAYERS + 1
+    assert _count(plan, "forward", "all_gather", "tp") == 0  # no weight gathered, no fused qkv gathered
+    forward_dp = [c for c in plan.collectives if "dp" in c.axes and c.phase == "forward"]
+    assert {c.kind for c in forward_dp} <= {"all_reduce"} and all(c.bytes <= 8 for c in forward_dp)  # loss scalars
+    assert "ops run whole on every rank (no rule)" not in plan.note_map
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "nanogpt"])
+def test_sequence_parallel_pattern(name):
+    plan = _plan(name, "tp=2", sp=True)
+    bsh = rm.BATCH * rm.SEQ * HIDDEN * _itemsize(name)
+    assert _count(plan, "forward", "all_reduce", "tp", bsh) == 0
+    assert _count(plan, "forward", "reduce_scatter", "tp", bsh) == 2 * LAYERS + 1
+    assert _count(plan, "forward", "all_gather", "tp", bsh) == 2 * LAYERS + 1
+    assert _count(plan, "backward", "reduce_scatter", "tp", bsh) == 2 * LAYERS + 1
+
+
+def test_conv1d_and_fused_qkv_hold_whole_heads():
+    plan = _plan("gpt2", "tp=2")
+    placements = dict(plan.placements)
+    assert placements["transformer.h.0.attn.c_attn.weight"] == ("S(1/3)",)  # Conv1D: (in, out), out in 3 parts
+    assert placements["transformer.h.0.attn.c_attn.bias"] == ("S(0/3)",)
+    assert placements["transformer.h.0.attn.c_proj.weight"] == ("S(0)",)
+    assert plan.note_map["use_cache (set by meshlib)"] == "False"
+
+
+def test_a_tied_parameter_takes_the_spec_given_to_either_name():
+    """nanoGPT ties wte to lm_head; the rules name only lm_head.weight: the embedding is vocab-parallel too."""
+    plan = _plan("nanogpt", "tp=2")
+    assert dict(plan.placements)["wte.weight"] == ("S(0)",)
+    m = rm.build_nanogpt()
+    rules = ml.pattern_rules({"wte.weight": ml.P(), "lm_head.weight": ml.P("tp", None)}, default=ml.P())
+    with pytest.raises(ValueError, match=r"tied parameters get different specs under their names: P\('tp', None\) as lm_head\.weight, P\(\) as wte\.weight"):
+        compile_model(m, mesh=ml.Mesh(tp=2), rules=rules, example_inputs=rm.nanogpt_batch(0), loss=1)
+
+
+# -- errors before any collective ----------------------------------------------------------------
+class _Erfcx(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = torch.special.erfcx(self.proj(x))  # an op with no rule
+        return (h - y).square().mean()
+
+
+def test_a_data_parallel_collapse_names_the_op_node_and_line():
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    rules = ml.pattern_rules({}, default=ml.P())
+    with pytest.raises(ValueError, match=r"data parallelism would collapse: special_erfcx \(node special_erfcx, at test_real_models\.py:\d+\) needs add \[4, 8\] whole over data axis 'dp': it has no rule"):
+        compile_model(_Erfcx(), mesh=ml.Mesh(dp=2), rules=rules, example_inputs=(x, y))
+    plan = compile_model(_Erfcx(), mesh=ml.Mesh(dp=2), rules=rules, example_inputs=(x, y), allow_data_gather=True).plan
+    assert plan.note_map["ops run whole on every rank (no rule)"].startswith("special_erfcx (torch.special.special_erfcx) at test_real_models.py:")
+    assert _count(plan, "forward", "all_gather", "dp") == 2  # the op's input, then the target it meets
+
+
+def test_an_op_without_a_rule_runs_whole_where_that_is_free():
+    """Over tp (no data split) the same op runs whole, and the plan says so per op."""
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    rules = ml.pattern_rules({"proj.weight": ml.P("tp", None)}, default=ml.P())
+    plan = compile_model(_Erfcx(), mesh=ml.Mesh(tp=2), rules=rules, example_inputs=(x, y), in_specs={"x": ml.P(), "y": ml.P()}).plan
+    assert "special_erfcx" in plan.note_map["ops run whole on every rank (no rule)"]
+
+
+class _TwoScalars(rm.NanoGPT):
+    def forward(self, idx, targets=None):
+        logits, loss = super().forward(idx, targets)
+        return logits, loss, loss * 2
+
+
+def test_which_output_is_the_loss():
+    m, batch = rm.build_nanogpt(), rm.nanogpt_batch(0)
+    mesh, rules = ml.Mesh(dp=2), rm.rules_nanogpt(ml.Mesh(dp=2))
+    with pytest.raises(ValueError, match=r"which output is the loss\? The model returns \(tensor\(8, 16, 96\), tensor\(\), tensor\(\)\)\. Fix: pass loss="):
+        compile_model(_TwoScalars().double(), mesh=mesh, rules=rules, example_inputs=batch)
+    with pytest.raises(ValueError, match=r"loss=5: the model's output has no such entry; it returns \(tensor\(8, 16, 96\), tensor\(\)\)"):
+        compile_model(m, mesh=mesh, rules=rules, example_inputs=batch, loss=5)
+    plan = compile_model(m, mesh=mesh, rules=rules, example_inputs=batch).plan  # the lone scalar is the loss
+    assert plan.note_map["data-parallel axes"] == "dp"
+    plan = compile_model(_TwoScalars().double(), mesh=mesh, rules=rules, example_inputs=batch, loss=lambda out: out[2]).plan
+    assert plan.note_map["data-parallel axes"] == "dp"
+
+
+def test_keyword_inputs_bind_by_name_and_mismatches_say_what_to_fix():
+    m = rm.build_gpt2()
+    mesh = ml.Mesh(dp=2)
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"the inputs do not fit the model's forward"):
+        compile_model(m, mesh=mesh, rules=rm.rules_gpt2(mesh), example_inputs=(ids,), example_kwargs={"input_ids": ids})
+    c = compile_model(m, mesh=mesh, rules=rm.rules_gpt2(mesh), example_inputs={"input_ids": ids, "labels": ids})
+    assert c.input_names == ["input_ids", "labels"]
+    with pytest.raises(TypeError, match=r"tensor inputs \['labels'\] not given"):
+        c.traced.call.bind((), {"input_ids": ids})
+    with pytest.raises(TypeError, match=r"\['use_cache'\] differ from the compiled values \[False\]"):
+        c.traced.call.bind((), {"input_ids": ids, "labels": ids, "use_cache": True})
+
+
+def test_mixture_of_experts_is_refused_by_name():
+    tf = rm._quiet_transformers()
+    cfg = tf.MixtralConfig(
+        vocab_size=rm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = tf.MixtralForCausalLM(cfg)
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp \(MixtralSparseMoeBlock\), model\.layers\.1\.mlp \(MixtralSparseMoeBlock\): mixture-of-experts blocks.*Expert parallelism \(the ep axis and its all-to-all\) is not supported yet"):
+        compile_model(model, mesh=ml.Mesh(dp=2), rules=ml.pattern_rules({}, default=ml.P()), example_inputs=rm.hf_batch(0))
+
+
+# -- weights -------------------------------------------------------------------------------------
+def _parallelize_twice(kind: str):
+    """On every rank: the model's weights checked against init= and the meta device."""
+    from meshlib_torch import parallelize
+
+    mesh = ml.Mesh(dp=2)
+    rules = rm.rules_nanogpt(mesh)
+    batch = rm.nanogpt_batch(0)
+    if kind == "init with weights":
+        parallelize(rm.build_nanogpt(), mesh=mesh, rules=rules, example_inputs=batch, init=lambda n: ("normal", 0.02))
+    elif kind == "meta without init":
+        with torch.device("meta"):
+            model = rm.NanoGPT()
+        parallelize(model, mesh=mesh, rules=rules, example_inputs=batch)
+    elif kind == "different weights":
+        torch.manual_seed(torch.distributed.get_rank())
+        parallelize(rm.NanoGPT().double(), mesh=mesh, rules=rules, example_inputs=batch)
+    else:  # the whole copy is released: nothing in meshlib keeps the model's tensors
+        model = rm.build_nanogpt()
+        ref = weakref.ref(model.h[0].attn.c_attn.weight)
+        par = parallelize(model, mesh=mesh, rules=rules, example_inputs=batch, loss=1)
+        gc.collect()
+        return ref() is None, all(p.is_meta for p in model.parameters()), len(par.named_model_parameters())
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("init with weights", r"the model has its own weights, and init= would replace them"),
+        ("meta without init", r"the model is on the meta device and has no values, and no init= says how to draw them"),
+        ("different weights", r"the ranks were given different weights: h\.0\.attn\.c_attn\.bias, .* differ between ranks"),
+    ],
+)
+def test_weights_errors_on_every_rank(kind, message):
+    with pytest.raises(RankError) as err:
+        get_pool(2).run(_parallelize_twice, kind)
+    assert sorted(err.value.failures) == [0, 1]  # raised on every rank
+    assert all(re.search(message, why) for why in err.value.failures.values()), err.value.failures
+
+
+@pytest.mark.ranks
+def test_the_models_whole_copy_is_released():
+    freed, meta, n = get_pool(2).run(_parallelize_twice, "release")[0]
+    assert freed and meta and n == sum(1 for _ in rm.build_nanogpt().parameters())
