@@ -185,3 +185,64 @@ MODELS = {
     "llama": (build_llama, rules_llama, hf_batch, "loss"),
     "nanogpt": (build_nanogpt, rules_nanogpt, nanogpt_batch, 1),
 }
+
+
+# -- a forward with a no_grad block and an autocast block -----------------------------------------
+class Regions(nn.Module):
+    """A statistic under `torch.no_grad()` (no gradient may flow through it) and a head under CPU
+    bf16 autocast, as mixed-precision code writes them; `trace_with` picks fx or torch.export."""
+
+    def __init__(self, trace_with: str = "fx"):
+        super().__init__()
+        self.trace_with = trace_with
+        self.inp = nn.Linear(16, 32)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 32))
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        if self.trace_with == "export":
+            assert x.shape[0] > 0  # fx cannot trace an assert on a tensor's value: export does it
+        with torch.no_grad():
+            stat = h.square().mean(-1, keepdim=True) + 0.05
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = self.out(h * self.scale / stat)
+        return F.cross_entropy(logits.float(), y)
+
+
+def build_regions_fx() -> nn.Module:
+    torch.manual_seed(0)
+    return Regions("fx")
+
+
+def build_regions_export() -> nn.Module:
+    torch.manual_seed(0)
+    return Regions("export")
+
+
+def regions_batch(step: int) -> tuple:
+    gen = torch.Generator().manual_seed(3000 + step)
+    return torch.randn(8, 16, generator=gen), torch.randint(0, 8, (8,), generator=gen)
+
+
+def build_gpt2_dropout() -> nn.Module:
+    """GPT-2 with its default dropout (0.1 on embeddings, attention and residuals)."""
+    tf = _quiet_transformers()
+    cfg = tf.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return tf.GPT2LMHeadModel(cfg).train()
+
+
+class UntraceableNanoGPT(NanoGPT):
+    """The nanoGPT-style model branching on its input's data pointer: neither fx nor torch.export can
+    trace it, so a pipeline cuts it by module FQN; it still returns `(logits, loss)`."""
+
+    def forward(self, idx, targets=None):
+        if idx.data_ptr() % 16:
+            idx = idx.clone()
+        return super().forward(idx, targets)
+
+
+def build_untraceable_nanogpt() -> nn.Module:
+    torch.manual_seed(0)
+    return UntraceableNanoGPT().double()

@@ -259,3 +259,71 @@ def test_weights_errors_on_every_rank(kind, message):
 def test_the_models_whole_copy_is_released():
     freed, meta, n = get_pool(2).run(_parallelize_twice, "release")[0]
     assert freed and meta and n == sum(1 for _ in rm.build_nanogpt().parameters())
+
+
+# -- grad-mode and autocast regions ---------------------------------------------------------------
+@pytest.mark.ranks
+@pytest.mark.parametrize("build", [rm.build_regions_fx, rm.build_regions_export], ids=["fx", "export"])
+def test_no_grad_and_autocast_blocks_keep_their_meaning(build):
+    """A statistic under no_grad and a bf16 autocast head: the same as the single process to bf16's
+    tolerance, while the same model with the statistic differentiated is far outside it."""
+    trial = Trial(build, rm.regions_batch, mesh="dp=2", lr=1e-2)
+    ref = run_single(trial)
+    par = get_pool(2).run(run_parallel, trial)[0]
+    assert_same(ref, par, rtol=1e-2, atol=1e-2)
+    assert par.plan.note_map["trace"] == ("fx" if build is rm.build_regions_fx else "export")
+    with torch.no_grad():  # the statistic, had its gradient flowed: inp's gradient moves by 0.1, 10x the tolerance
+        model = build()
+        x, y = rm.regions_batch(0)
+    model.zero_grad()
+    h = torch.tanh(model.inp(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.out(h * model.scale / (h.square().mean(-1, keepdim=True) + 0.05))
+    torch.nn.functional.cross_entropy(logits.float(), y).backward()
+    assert float((model.inp.weight.grad - ref.grads["inp.weight"]).abs().max()) > 0.1
+
+
+def _train_with_dropout(mesh: str):
+    """Three steps of GPT-2 with dropout; every rank's local shards and losses."""
+    from meshlib_torch import parallelize
+
+    m = ml.Mesh.parse(mesh)
+    torch.manual_seed(100 + torch.distributed.get_rank())  # however the ranks were seeded before
+    par = parallelize(rm.build_gpt2_dropout(), mesh=m, rules=rm.rules_gpt2(m), example_inputs=rm.hf_batch(0))
+    opt = par.optimizer(lr=1e-3)
+    losses = [par.train_step([rm.hf_batch(step)], opt) for step in range(3)]
+    local = {n: p.to_local().detach().clone() for n, p in par.named_model_parameters().items()}
+    return losses, local, m.coords(torch.distributed.get_rank()), dict(par.plan.notes)
+
+
+@pytest.mark.ranks
+def test_dropout_draws_the_same_masks_on_replicas():
+    """Ranks holding the same block of a parameter (replicas over dp, and over tp for what tp does not
+    split) end three dropout steps with equal values: their masks agreed wherever their values did."""
+    results = get_pool(4).run(_train_with_dropout, "dp=2,tp=2")
+    losses, first, _, notes = results[0]
+    # the embeddings', 2 residuals' per layer and attention's own (inside scaled_dot_product_attention)
+    assert notes["random ops"].startswith("7 (aten.dropout.default, aten.scaled_dot_product_attention.default)")
+    no_dropout = run_single(Trial(rm.build_gpt2, rm.hf_batch, lr=1e-3)).losses
+    assert losses[0] != pytest.approx(no_dropout[0], abs=1e-4)  # dropout is on
+    for r_losses, *_ in results[1:]:
+        assert r_losses == losses
+    by_tp = {}
+    for _, local, coords, _ in results:
+        by_tp.setdefault(coords["tp"], []).append(local)
+    for replicas in by_tp.values():  # dp replicas of every block
+        for name in replicas[0]:
+            torch.testing.assert_close(replicas[1][name], replicas[0][name], rtol=0, atol=0)
+    whole = [n for n, p in _plan("gpt2", "dp=2,tp=2").placements if p == ("R", "R")]
+    for name in whole:  # and tp replicas of what tp does not split
+        torch.testing.assert_close(by_tp[1][0][name], by_tp[0][0][name], rtol=0, atol=0)
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("mesh", ["pp=2", "dp=2,pp=2"])
+def test_an_untraceable_model_returning_logits_and_loss_pipelines_by_module_name(mesh):
+    trial = Trial(rm.build_untraceable_nanogpt, rm.nanogpt_batch, mesh=mesh, rules=rm.rules_nanogpt, loss=1,
+                  options={"microbatches": 2}, lr=1e-3)  # fmt: skip
+    results = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)
+    assert results[0].plan.note_map["stage split"] == "by module FQN on the eager model, balanced by flops"
+    assert_same(_reference("nanogpt", _trial("nanogpt", mesh, {})), results[0], rtol=1e-12, atol=1e-12)

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -359,12 +360,31 @@ def _plan(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts
         notes["ops run whole on every rank (no rule)"] = "\n".join(
             f"{node.name} ({op_name(node.target)}) at {source_line(node) or 'an unknown line'}" for node in fallback
         )
+    random = [node for node, p in plans.items() if _is_random(p.view)]
+    if random:
+        notes[RANDOM_NOTE] = (
+            f"{len(random)} ({', '.join(sorted({op_name(n.target) for n in random}))}): every rank seeds torch's "
+            "generator alike, so ranks holding the same values draw the same numbers"
+        )
     notes["sequence parallel"] = "on" if sp else "off"
     placements = {n: tuple(repr(p) for p in layouts[n]) for n in specs}
     return Plan(
         mesh, specs=specs, collectives=collectives, notes=notes,
         placements=placements,
     )  # fmt: skip
+
+
+RANDOM_NOTE = "random ops"
+_RANDOM = re.compile(r"rand|bernoulli|normal|multinomial|dropout")
+
+
+def _is_random(view) -> bool:
+    """Dropout that drops (p > 0, training), or any op that draws random numbers."""
+    if view.kind == "dropout":
+        return bool(view.p.get("p")) and view.p.get("training") is not False
+    if view.kind == "sdpa":
+        return bool(view.p.get("dropout_p"))
+    return view.node.op == "call_function" and bool(_RANDOM.search(op_name(view.node.target)))
 
 
 def op_name(target) -> str:

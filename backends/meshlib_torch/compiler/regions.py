@@ -11,7 +11,9 @@ Both modes act op by op (grad mode decides whether each op is recorded for
 backward; autocast picks each op's dtype when it runs), so running each
 copied op under its region's modes (`in_region`) is the region itself.
 `apply_regions` does that to an executable copy of a graph, once every pass
-that reads the ops' targets is done.
+that reads the ops' targets is done. torch.fx's tracer records no modes at
+all: it notes on each node the modes in force when the node was made, where
+they differ from those the trace began with (`current_modes`).
 """
 
 from __future__ import annotations
@@ -110,6 +112,18 @@ def _inline(gm: fx.GraphModule, node: fx.Node, name: str) -> None:
     graph.erase_node(node)
 
 
+def current_modes() -> tuple:
+    """The grad mode and autocast states in force now, as region modes (what torch.fx's tracer sees
+    while a `with torch.no_grad():` or `with torch.autocast(...)` block of the forward runs)."""
+    out: list[tuple] = []
+    if not torch.is_grad_enabled():
+        out.append(("grad", False))
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            out.append(("autocast", device, torch.get_autocast_dtype(device), True, torch.is_autocast_cache_enabled()))
+    return tuple(out)
+
+
 def _context(mode: tuple):
     if mode[0] == "grad":
         return torch.set_grad_enabled(mode[1])
@@ -149,4 +163,4 @@ def apply_regions(graph: fx.Graph) -> None:
             node.target = in_region(modes, node.target)
 
 
-__all__ = ["apply_regions", "in_region", "inline_regions", "run_node_in_region"]
+__all__ = ["apply_regions", "current_modes", "in_region", "inline_regions", "run_node_in_region"]

@@ -33,7 +33,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .call import Call, LossChoiceError, describe, pick_loss
-from .regions import inline_regions, run_node_in_region
+from .regions import current_modes, inline_regions, run_node_in_region
 
 _TORCH_DIR = re.compile(r"[/\\](torch|meshlib_torch[/\\]compiler)[/\\]")
 
@@ -49,13 +49,14 @@ class Traced:
 
 
 class _Tracer(fx.Tracer):
-    """fx's tracer, proxying buffers too, and noting each node's innermost user frame
-    (fx's own stack traces cost more than the rest of tracing together)."""
+    """fx's tracer, proxying buffers too, noting each node's innermost user frame (fx's own stack
+    traces cost more than the rest of tracing together) and the grad and autocast modes it ran in."""
 
     proxy_buffer_attributes = True
 
     def __init__(self, model: nn.Module):
         super().__init__()
+        self.modes = current_modes()  # a `no_grad` or `autocast` block of the forward differs from these
         named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
         self._names: dict[int, str] = {}
         for name, t in named:
@@ -77,6 +78,9 @@ class _Tracer(fx.Tracer):
             frame = frame.f_back
         if frame is not None:
             node.meta["stack_trace"] = f'File "{frame.f_code.co_filename}", line {frame.f_lineno}'
+        modes = current_modes()
+        if modes != self.modes:
+            node.meta["region"] = modes
         return node
 
 
@@ -363,9 +367,21 @@ def _split_linear_bias(gm: fx.GraphModule) -> None:
                 continue
             node.args, node.kwargs = (args[0], args[1]), {}
             with graph.inserting_after(node):
-                add = graph.call_function(operator.add, (node, bias))
+                add = graph.call_function(operator.add, (node, _autocast_bias(graph, node, bias)))
             add.meta = {k: v for k, v in node.meta.items() if k != "val"}
             node.replace_all_uses_with(add, delete_user_cb=lambda user, add=add: user is not add)
+
+
+def _autocast_bias(graph: fx.Graph, op: fx.Node, bias: fx.Node) -> fx.Node:
+    """The bias an op split from its bias adds: under autocast the fused op ran in the autocast dtype,
+    so the bias is cast to it (else the add would promote the result back to fp32)."""
+    dtype = next((m[2] for m in op.meta.get("region", ()) if m[0] == "autocast" and m[3]), None)
+    if dtype is None:
+        return bias
+    with graph.inserting_before(op):
+        cast = graph.call_function(torch.ops.aten._to_copy.default, (bias,), {"dtype": dtype})
+    cast.meta = {k: v for k, v in op.meta.items() if k != "val"}
+    return cast
 
 
 def _split_addmm(gm: fx.GraphModule) -> None:
@@ -380,8 +396,8 @@ def _split_addmm(gm: fx.GraphModule) -> None:
         bias, x, w = node.args
         with graph.inserting_before(node):
             mm = graph.call_function(torch.ops.aten.mm.default, (x, w))
-            add = graph.call_function(torch.ops.aten.add.Tensor, (mm, bias))
-        mm.meta = {k: v for k, v in node.meta.items() if k != "val"}
+            mm.meta = {k: v for k, v in node.meta.items() if k != "val"}
+            add = graph.call_function(torch.ops.aten.add.Tensor, (mm, _autocast_bias(graph, mm, bias)))
         add.meta = dict(mm.meta)
         node.replace_all_uses_with(add)
         graph.erase_node(node)

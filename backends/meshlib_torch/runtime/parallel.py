@@ -148,6 +148,14 @@ class Parallel(nn.Module):
         return total
 
 
+def seed_alike(seed: int) -> None:
+    """Seed torch's generator with `seed` on every rank: the local graphs run the same ops in the same
+    order everywhere, so ranks that hold the same values (replicas over tp or dp) draw the same
+    dropout masks, and a block recomputed in backward draws its forward's (checkpoint restores the
+    generator). As Megatron by default, data-parallel ranks share the seed too."""
+    torch.manual_seed(seed)
+
+
 def _canonical(path: str, names: set[str]) -> str:
     """The original model's FQN inside a wrapped path (`layer_0.block.layers.0.w` -> `layers.0.w`)."""
     parts = path.split(".")
@@ -200,7 +208,9 @@ def parallelize(
     meta device), so a rank's peak while building is the model plus one parameter's shard;
     every rank must be given the same weights, which is checked. A model built on the meta
     device needs `init=` (name -> ("normal", std) | ("zeros", 0) | ("ones", 0)), whose values
-    are the single process's with `seed`; `init=` with real weights is an error.
+    are the single process's with `seed`; `init=` with real weights is an error. `seed` also seeds
+    torch's generator alike on every rank, so that random ops (dropout) draw the same numbers on
+    ranks that hold the same values (`seed_alike`).
 
     Every check (mesh size against the world, rules, specs, input shapes)
     runs before the first collective, so bad input raises on every rank alike.
@@ -219,6 +229,7 @@ def parallelize(
     """
     weights.check_source(model, init)
     mdist.init()
+    seed_alike(seed)
     mesh.check_world_size(torch.distributed.get_world_size())
     if pp_axis in mesh and mesh.axis_size(pp_axis) > 1:
         from .pipeline import parallelize_pipeline
