@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from meshlib import schedule as core_schedule
-from meshlib_torch.runtime.pipeline import make_schedule
+from meshlib_torch.runtime.parallelisms.pipeline import make_schedule
 
 WIDTH = 8  # activation elements per microbatch: small, so a hop costs latency, not bandwidth
 

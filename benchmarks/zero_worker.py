@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 
 from meshlib import Mesh, Precision
-from meshlib_torch import COUNTER, data, models, parallelize
+from meshlib_torch import COUNTER, PeakTracker, data, models, parallelize
 from meshlib_torch.runtime import dist as mdist
 from meshlib_torch.runtime.materialize import init_full
-from meshlib_torch.runtime.memtrack import PeakTracker
 
 LOSS = "cross_entropy"  # the counter's provenance for the loss's own forward reductions
 
@@ -48,11 +47,7 @@ def _build(model: str, mesh: str, batch: int, seq: int, **kw):
 
 
 def _step(par, opt, batch) -> float:
-    loss = par(*batch)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(loss.detach())
+    return par.train_step(batch, opt)  # the one training loop, for every mesh
 
 
 # -- (a) bytes -------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from ._backend import backend
 from .cost import ModelState, dp_comm_bytes, fsdp2_memory, min_max_partition, tp_comm_bytes, zero_level, zero_memory
 from .mesh import CANONICAL_AXES, Mesh
 from .plan import Boundary, Collective, Memory, Plan, Precision, Stage
-from .rules import LogicalRules, PatternRules, Rule, compose, dims, logical_rules, pattern_rules
+from .rules import LogicalRules, PatternRules, Rule, apply_rules, compose, dims, logical_rules, pattern_rules
 from .schedules import (
     ACTION_KINDS,
     SCHEDULE_NAMES,
@@ -26,7 +26,6 @@ from .simulation import Simulation, bubble_formula, gantt, simulate, validate_sc
 from .spec import UNCONSTRAINED, P
 from .tree import (
     ShapeDtype,
-    apply_rules,
     flatten_dotted,
     flatten_with_paths,
     tree_shardings,

@@ -24,13 +24,14 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import optree
 from einops import EinopsError
 from einops.parsing import ParsedExpression
 
 from .spec import P
-from .tree import ShapeDtype, leaf_ndim  # noqa: F401  (ShapeDtype: docstring example)
+from .tree import ShapeDtype, flatten_with_paths, leaf_ndim, leaf_shape, plural  # noqa: F401  (ShapeDtype: docstring example)
 
-__all__ = ["Rule", "pattern_rules", "logical_rules", "dims", "compose", "PatternRules", "LogicalRules"]
+__all__ = ["Rule", "apply_rules", "pattern_rules", "logical_rules", "dims", "compose", "PatternRules", "LogicalRules"]
 
 Rule = Callable[[str, Any], "P | None"]
 _MISSING: Any = object()
@@ -331,4 +332,42 @@ def describe(rule: Rule) -> str:
     if inner:
         return "; ".join(describe(r) for r in inner)
     return getattr(rule, "__name__", repr(rule))
+
+
+
+def apply_rules(tree: Any, rule: Callable[[str, Any], P | None], /) -> Any:
+    """A tree of `P`, the structure of `tree`, from `rule(path, leaf)`.
+
+    Raises, naming every path, for leaves no rule claims and for specs longer
+    than their tensor's rank.
+
+    Example:
+        >>> params = {"embed": ShapeDtype((16, 8)), "out": {"w": ShapeDtype((8, 16))}}
+        >>> apply_rules(params, lambda path, leaf: P("tp") if path == "embed" else P())
+        {'embed': P('tp'), 'out': {'w': P()}}
+    """
+    pairs, treespec = flatten_with_paths(tree)
+    out, unmatched, errors = [], [], []
+    for path, leaf in pairs:
+        spec = rule(path, leaf)
+        if spec is None:
+            unmatched.append(path)
+        elif not isinstance(spec, P):
+            errors.append(f"{path}: rule gave {spec!r}, not a P")
+        elif hasattr(leaf, "shape") and len(spec) > leaf_ndim(leaf):
+            errors.append(
+                f"{path}: spec {spec!r} has {len(spec)} entries but the tensor has rank "
+                f"{leaf_ndim(leaf)} (shape {leaf_shape(leaf)})"
+            )
+        out.append(spec)
+    if unmatched:
+        shown = ", ".join(unmatched[:10]) + (f" and {len(unmatched) - 10} more" if len(unmatched) > 10 else "")
+        errors.insert(
+            0,
+            f"no rule ({describe(rule)}) matches {plural(len(unmatched), 'leaf', 'leaves')}: {shown}. "
+            "Fix: add a pattern for them, or give the rules a default=P()",
+        )
+    if errors:
+        raise ValueError("; ".join(errors))
+    return optree.tree_unflatten(treespec, out)
 

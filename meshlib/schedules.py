@@ -102,7 +102,7 @@ class Schedule:
     def __post_init__(self):
         if not isinstance(self.name, str):
             raise TypeError(f"Schedule name must be a str, got {self.name!r}")
-        _check_counts(self.name or "Schedule", p=self.p, m=self.m, v=self.v)
+        check_counts(self.name or "Schedule", p=self.p, m=self.m, v=self.v)
         _set = object.__setattr__
         _set(self, "placement", tuple(self.placement))
         if isinstance(self.actions, Mapping):
@@ -149,7 +149,7 @@ def gpipe(p: int, m: int) -> Schedule:
         rank 0: F0@s0 F1@s0 B0@s0 B1@s0
         rank 1: F0@s1 F1@s1 B0@s1 B1@s1
     """
-    _check_counts("gpipe", p=p, m=m)
+    check_counts("gpipe", p=p, m=m)
     rows = [[Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)] for r in range(p)]
     return Schedule("gpipe", p, m, 1, tuple(range(p)), tuple(map(tuple, rows)))
 
@@ -162,7 +162,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
         >>> print(*one_f_one_b(4, 6).actions[1])
         F0@s1 F1@s1 F2@s1 B0@s1 F3@s1 B1@s1 F4@s1 B2@s1 F5@s1 B3@s1 B4@s1 B5@s1
     """
-    _check_counts("1f1b", p=p, m=m)
+    check_counts("1f1b", p=p, m=m)
     rows = [_one_f_one_b_row([(r, i) for i in range(m)], [(r, i) for i in range(m)], p - 1 - r) for r in range(p)]
     return Schedule("1f1b", p, m, 1, tuple(range(p)), tuple(rows))
 
@@ -180,10 +180,10 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
         >>> print(*s.actions[1])
         F0@s1 F1@s1 F0@s3 B0@s3 F1@s3 B1@s3 B0@s1 B1@s1
     """
-    _check_counts("interleaved-1f1b", p=p, m=m, v=v)
+    check_counts("interleaved-1f1b", p=p, m=m, v=v)
     if v == 1:
         return Schedule("interleaved-1f1b", p, m, 1, tuple(range(p)), one_f_one_b(p, m).actions)
-    _check_rounds("interleaved-1f1b", p, m)
+    check_rounds("interleaved-1f1b", p, m)
     rows = []
     for r in range(p):
         fwd, bwd = _depth_first_order(p, m, v, r)
@@ -209,9 +209,9 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
         rank 0: F0@s0 F1@s0 I0@s0 W0@s0 I1@s0 W1@s0
         rank 1: F0@s1 I0@s1 F1@s1 I1@s1 W0@s1 W1@s1
     """
-    _check_counts("zb-h1", p=p, m=m, v=v)
+    check_counts("zb-h1", p=p, m=m, v=v)
     if v > 1:
-        _check_rounds("zb-h1", p, m)
+        check_rounds("zb-h1", p, m)
     rows = []
     for r in range(p):
         if v == 1:
@@ -235,7 +235,7 @@ def zbv(p: int, m: int) -> Schedule:
         >>> print(*s.actions[1])
         F0@s1 F0@s2 F1@s1 F1@s2 I0@s2 W0@s2 F2@s1 I0@s1 W0@s1 F2@s2 I1@s2 W1@s2 I1@s1 I2@s2 I2@s1 W1@s1 W2@s2 W2@s1
     """
-    _check_counts("zbv", p=p, m=m)
+    check_counts("zbv", p=p, m=m)
     placement = tuple(min(s, 2 * p - 1 - s) for s in range(2 * p))
     rows = [_zbv_row(p, m, r) for r in range(p)]
     return Schedule("zbv", p, m, 2, placement, tuple(rows))
@@ -266,7 +266,7 @@ _FIXED_V = {"gpipe": 1, "1f1b": 1, "zbv": 2}  # schedules whose chunk count is n
 _DEFAULT_V = {"interleaved-1f1b": 2, "zb-h1": 1}
 
 
-def _resolve(name: str, v: int | None) -> tuple[str, int]:
+def resolve_schedule(name: str, v: int | None) -> tuple[str, int]:
     """The canonical name and chunk count for `name` (any accepted spelling) and `v`."""
     if not isinstance(name, str):
         raise TypeError(f"schedule name must be a str, got {name!r}")
@@ -295,7 +295,7 @@ def schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
         >>> schedule("ScheduleInterleavedZeroBubble", 4, 8).v
         2
     """
-    canonical, v = _resolve(name, v)
+    canonical, v = resolve_schedule(name, v)
     if canonical == "interleaved-1f1b":
         return interleaved_1f1b(p, m, v)
     if canonical == "zb-h1":
@@ -346,13 +346,13 @@ def _round_robin(p: int, v: int) -> tuple[int, ...]:
     return tuple(s % p for s in range(p * v))
 
 
-def _check_counts(name: str, **counts: int) -> None:
+def check_counts(name: str, **counts: int) -> None:
     for key, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {key} must be an int >= 1, got {value!r}")
 
 
-def _check_rounds(name: str, p: int, m: int) -> None:
+def check_rounds(name: str, p: int, m: int) -> None:
     if m % p:
         lo, hi = m - m % p, m + p - m % p
         raise ValueError(

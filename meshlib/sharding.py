@@ -85,7 +85,7 @@ def _blocks(size: int, ways: int, uneven: str) -> tuple[slice, ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_index(mesh: Mesh, axes: tuple[str, ...]) -> tuple[int, ...]:
+def block_index(mesh: Mesh, axes: tuple[str, ...]) -> tuple[int, ...]:
     """For each rank, which block of a dim split over `axes` it holds."""
     return tuple(mesh.axis_coord(r, axes) for r in range(mesh.size))
 
@@ -96,7 +96,7 @@ def _dim_slices(mesh: Mesh, axes: tuple[str, ...], size: int, uneven: str) -> tu
     if not axes:
         return (_FULL,) * mesh.size
     blocks = _blocks(size, mesh.axis_size(axes), uneven)
-    index = _block_index(mesh, axes)
+    index = block_index(mesh, axes)
     return operator.itemgetter(*index)(blocks) if mesh.size > 1 else (blocks[index[0]],)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .schedules import Action, Schedule, _check_counts, _check_rounds, _resolve
+from .schedules import Action, Schedule, check_counts, check_rounds, resolve_schedule
 
 __all__ = ["Simulation", "bubble_formula", "gantt", "simulate", "validate_schedule"]
 
@@ -142,13 +142,13 @@ def bubble_formula(name: str, p: int, m: int, v: int | None = None) -> float:
         >>> bubble_formula("1f1b", 4, 8), bubble_formula("zb-h1", 4, 8), bubble_formula("zbv", 4, 8)
         (0.2727272727272727, 0.1111111111111111, 0.058823529411764705)
     """
-    canonical, v = _resolve(name, v)
-    _check_counts(canonical, p=p, m=m, v=v)
+    canonical, v = resolve_schedule(name, v)
+    check_counts(canonical, p=p, m=m, v=v)
     if canonical in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if canonical == "interleaved-1f1b":
         if v > 1:
-            _check_rounds(canonical, p, m)
+            check_rounds(canonical, p, m)
         return (p - 1) / (v * m + p - 1)
     need = p if canonical == "zb-h1" else 2 * p - 1
     if m < need:
@@ -157,7 +157,7 @@ def bubble_formula(name: str, p: int, m: int, v: int | None = None) -> float:
             f"Use meshlib.simulate(meshlib.schedule({canonical!r}, {p}, {m})).bubble instead"
         )
     if canonical == "zb-h1" and v > 1:
-        _check_rounds(canonical, p, m)
+        check_rounds(canonical, p, m)
     work = 3 * v * m if canonical == "zb-h1" else 6 * m
     return (p - 1) / (work + p - 1)
 

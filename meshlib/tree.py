@@ -7,13 +7,13 @@ named by a dotted path: `{"layers": [{"w": x}]}` names `x` `layers.0.w`.
 
 Example:
     >>> params = {"embed": ShapeDtype((16, 8)), "out": {"w": ShapeDtype((8, 16))}}
-    >>> apply_rules(params, lambda path, leaf: P("tp") if path == "embed" else P())
-    {'embed': P('tp'), 'out': {'w': P()}}
+    >>> [path for path, _ in flatten_with_paths(params)[0]]
+    ['embed', 'out.w']
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optree
@@ -30,7 +30,6 @@ __all__ = [
     "flatten_with_paths",
     "flatten_dotted",
     "unflatten_dotted",
-    "apply_rules",
     "tree_shardings",
 ]
 
@@ -160,43 +159,11 @@ def unflatten_dotted(flat: Mapping[str, Any], like: Any = None) -> Any:
     return out
 
 
-def _count(n: int, one: str, many: str) -> str:
+def plural(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
 # -- spec trees --------------------------------------------------------------------
-def apply_rules(tree: Any, rule: Callable[[str, Any], P | None], /) -> Any:
-    """A tree of `P`, the structure of `tree`, from `rule(path, leaf)`.
-
-    Raises, naming every path, for leaves no rule claims and for specs longer
-    than their tensor's rank.
-    """
-    from .rules import describe
-
-    pairs, treespec = flatten_with_paths(tree)
-    out, unmatched, errors = [], [], []
-    for path, leaf in pairs:
-        spec = rule(path, leaf)
-        if spec is None:
-            unmatched.append(path)
-        elif not isinstance(spec, P):
-            errors.append(f"{path}: rule gave {spec!r}, not a P")
-        elif hasattr(leaf, "shape") and len(spec) > leaf_ndim(leaf):
-            errors.append(
-                f"{path}: spec {spec!r} has {len(spec)} entries but the tensor has rank "
-                f"{leaf_ndim(leaf)} (shape {leaf_shape(leaf)})"
-            )
-        out.append(spec)
-    if unmatched:
-        shown = ", ".join(unmatched[:10]) + (f" and {len(unmatched) - 10} more" if len(unmatched) > 10 else "")
-        errors.insert(
-            0,
-            f"no rule ({describe(rule)}) matches {_count(len(unmatched), 'leaf', 'leaves')}: {shown}. "
-            "Fix: add a pattern for them, or give the rules a default=P()",
-        )
-    if errors:
-        raise ValueError("; ".join(errors))
-    return optree.tree_unflatten(treespec, out)
 
 
 def tree_shardings(tree: Any, specs: Any, mesh: Mesh, /, *, uneven: str = "error") -> Any:
@@ -217,6 +184,6 @@ def tree_shardings(tree: Any, specs: Any, mesh: Mesh, /, *, uneven: str = "error
         out.append(sharding)
     if errors:
         raise ValueError(
-            f"{_count(len(errors), 'spec', 'specs')} cannot be laid out on {mesh!r}:\n  " + "\n  ".join(errors)
+            f"{plural(len(errors), 'spec', 'specs')} cannot be laid out on {mesh!r}:\n  " + "\n  ".join(errors)
         )
     return optree.tree_unflatten(treespec, out)

@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Sequence
 
 from .mesh import Mesh
-from .sharding import NamedSharding, _block_index
+from .sharding import NamedSharding, block_index
 from .spec import P
 
 __all__ = ["layout", "Layout"]
@@ -59,7 +59,7 @@ class Layout:
         rank_slices = sharding.rank_indices(self.shape)
         # A block is (start, stop, block number) per dim: under uneven="chunk" several
         # empty blocks share (n, n) but are different blocks, held by different ranks.
-        index = [_block_index(sharding.mesh, sharding.spec.dim_axes(d)) for d in range(len(self.shape))]
+        index = [block_index(sharding.mesh, sharding.spec.dim_axes(d)) for d in range(len(self.shape))]
         self.blocks: dict[tuple, list[int]] = {}
         for rank, slices in enumerate(rank_slices):
             key = tuple(s.indices(n)[:2] + (ix[rank],) for s, n, ix in zip(slices, self.shape, index))

@@ -48,7 +48,7 @@ def _batch(run: RunConfig, step: int) -> tuple:
 
 
 def _train(par, opt, run: RunConfig, steps: range) -> list[float]:
-    return [par.train_step([_batch(run, s)], opt) for s in steps]
+    return [par.train_step(_batch(run, s), opt) for s in steps]
 
 
 def _full_state(par, opt) -> dict[str, torch.Tensor]:

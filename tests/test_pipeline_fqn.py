@@ -9,7 +9,7 @@ axis and compares losses, gradient norms and every parameter after 3 AdamW
 steps with the single-process run in fp64 (to 1e-12): 1F1B and ZB-H1 at pp=2,
 interleaved 1F1B and ZBV with two stages per rank (ZBV puts the first and last
 stage, which share the tied embedding, on one rank), and pp=2 x dp=2 with the
-tied embedding on the first and last stage. The plan (from `compile_pipeline`, no
+tied embedding on the first and last stage. The plan (from `compile_model`, no
 processes) records the eager path, both trace failures, the stages and their
 boundaries; and a tp axis fails on every rank before any communication.
 """
@@ -26,7 +26,6 @@ from meshlib_torch.compiler.trace import Untraceable, trace
 from meshlib_torch.models import config, default_rules
 from meshlib_torch.models.llama import Llama
 from meshlib_torch.runtime import dist as mdist
-from meshlib_torch.runtime.pipeline import compile_pipeline
 from meshlib_torch.testing.parity import RunConfig, compare, pipeline_sends, train_parallel, train_reference
 from meshlib_torch.testing.pool import get_pool
 
@@ -93,9 +92,10 @@ def test_parity_with_the_single_process_run(mesh, sched, layers):
 def test_plan_records_the_eager_split_both_trace_failures_and_the_boundaries():
     mesh = Mesh(pp=2)
     x = torch.zeros(4, 16, dtype=torch.long, device="meta")
-    compiled, stages, core = compile_pipeline(
+    compiled = compile_model(
         _model(n_layers=4), mesh=mesh, rules=default_rules("llama-tiny", mesh), example_inputs=(x, x), microbatches=2
     )
+    stages = compiled.stages
     plan = compiled.plan
     notes = plan.note_map
     lines = notes["trace"].splitlines()
@@ -115,10 +115,10 @@ def test_plan_records_the_eager_split_both_trace_failures_and_the_boundaries():
     }  # fmt: skip
     assert "tok_embeddings.weight" in stages.params[0] & stages.params[1]  # the tied head on the last stage
 
-    user = compile_pipeline(
+    user = compile_model(
         _model(n_layers=4), mesh=mesh, rules=default_rules("llama-tiny", mesh), example_inputs=(x, x), microbatches=2,
         split_points=[1],
-    )[0].plan  # fmt: skip
+    ).plan  # fmt: skip
     assert [s.modules for s in user.stages] == [("layers.0",), ("layers.1", "layers.2", "layers.3")]
     assert user.note_map["stage split"] == "by module FQN on the eager model, balanced by user split points"
 

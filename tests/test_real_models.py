@@ -291,7 +291,7 @@ def _train_with_dropout(mesh: str):
     torch.manual_seed(100 + torch.distributed.get_rank())  # however the ranks were seeded before
     par = parallelize(rm.build_gpt2_dropout(), mesh=m, rules=rm.rules_gpt2(m), example_inputs=rm.hf_batch(0))
     opt = par.optimizer(lr=1e-3)
-    losses = [par.train_step([rm.hf_batch(step)], opt) for step in range(3)]
+    losses = [par.train_step(rm.hf_batch(step), opt) for step in range(3)]
     local = {n: p.to_local().detach().clone() for n, p in par.named_model_parameters().items()}
     return losses, local, m.coords(torch.distributed.get_rank()), dict(par.plan.notes)
 

@@ -1,5 +1,5 @@
 """The stage split, without processes: the exact min-max partition against brute force, the cost per
-layer against closed-form FLOPs and bytes, and the plan's stages from `compile_pipeline`.
+layer against closed-form FLOPs and bytes, and the plan's stages from `compile_model` on a pipeline mesh.
 
 Method: `min_max_partition` is checked against an enumeration of every way to cut a short list
 (hypothesis draws the lists), with and without fixed costs on the first and last part, and
@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from meshlib import Mesh, min_max_partition
+from meshlib_torch import compile_model
 from meshlib_torch.compiler.call import bind_call
+from meshlib_torch.compiler.costs import LayerCosts, layer_costs, stage_ranges
 from meshlib_torch.compiler.split import layer_paths
-from meshlib_torch.compiler.stages import LayerCosts, layer_costs, stage_ranges
 from meshlib_torch.models import build, config, default_rules
-from meshlib_torch.runtime.pipeline import compile_pipeline
 
 
 def _brute_force(costs, parts, first=0.0, last=0.0, *, even=False):
@@ -116,7 +116,8 @@ def _pipeline(**kw):
     cfg = config("llama-tiny") if "cfg" not in kw else kw.pop("cfg")
     mesh = Mesh.parse(kw.pop("mesh", "pp=2"))
     x = torch.empty(8, 16, dtype=torch.long, device="meta")
-    return compile_pipeline(build(cfg), mesh=mesh, rules=default_rules(cfg, mesh), example_inputs=(x, x), **kw)
+    compiled = compile_model(build(cfg), mesh=mesh, rules=default_rules(cfg, mesh), example_inputs=(x, x), **kw)
+    return compiled, compiled.stages, compiled.schedule
 
 
 def test_plan_stages_carry_the_min_max_split_and_its_costs():

@@ -105,7 +105,7 @@ def _measure(run: RunConfig):
     state = model_state_bytes(par, opt) | {"grads": grads}
     psi = sum(math.prod(par.compiled.local_param_shape(n)) for n in par.compiled.traced.params)
     if run.overrides:  # the plan's model state too, and the piece of each parameter ZeRO-1 keeps
-        from meshlib_torch.compiler.compile import zero1_pieces
+        from meshlib_torch.compiler.program import zero1_pieces
 
         return state, traffic, psi, par.plan.collectives, par.plan.memory, zero1_pieces(par.compiled)
     return state, traffic, psi, par.plan.collectives
@@ -176,8 +176,7 @@ def _peak(run: RunConfig):
     import torch
 
     from meshlib import Precision
-    from meshlib_torch import data, models, parallelize
-    from meshlib_torch.runtime.memtrack import PeakTracker
+    from meshlib_torch import PeakTracker, data, models, parallelize
     from meshlib_torch.testing.parity import _init
 
     cfg = models.config(run.model)

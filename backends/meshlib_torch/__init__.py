@@ -13,12 +13,14 @@
 """
 
 from . import cli  # noqa: E402,F401  (the `meshlib` command finds it here)
-from .compiler.compile import Compiled, compile_model
+from .compiler.compile import compile_model
+from .compiler.program import Compiled
+from .memtrack import PeakTracker
 from .runtime import checkpoint
 from .runtime.comm import COUNTER, CommCounter
-from .runtime.memtrack import PeakTracker
 from .runtime.optim import LossScaler, MeshAdamW
-from .runtime.parallel import Parallel, parallelize
+from .runtime.parallel import Parallel
+from .runtime.parallelize import parallelize
 
 __all__ = [
     "COUNTER", "CommCounter", "Compiled", "LossScaler", "MeshAdamW", "Parallel", "PeakTracker", "checkpoint",

@@ -90,15 +90,10 @@ def plan_main(args) -> Plan:
         zero=zero_level(args.zero), precision=Precision.parse(args.precision) if args.precision else None,
         recompute=args.recompute, estimate_memory=True,
     )  # fmt: skip
-    if "pp" in mesh and mesh.axis_size("pp") > 1:
-        from .runtime.pipeline import compile_pipeline
-
-        compiled, _, _ = compile_pipeline(
-            model, **common, microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
-            split_points=_split_points(args), balance=args.balance,
-        )  # fmt: skip
-    else:
-        compiled = compile_model(model, **common)
+    compiled = compile_model(
+        model, **common, microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
+        split_points=_split_points(args), balance=args.balance,
+    )  # fmt: skip
     plan = compiled.plan.replace(
         notes=compiled.plan.notes + (("model", args.model), ("batch x seq", f"{args.batch} x {seq}"))
     )

@@ -34,19 +34,20 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from meshlib import Boundary, Collective, Mesh, P, Plan, Precision
 from meshlib.cost import zero_level
 
+from ..torch_private import pytree
 from . import annotate as _annotate
 from .call import Call, pick_loss
+from .costs import LayerCosts, meta_copy
+from .modules import canonical_params
 from .propagate import Axes
 from .shapes import local_shape
-from .stages import LayerCosts, meta_copy
-from .trace import Untraceable, _canonical_params
+from .trace import Untraceable
 
 
 @dataclass
@@ -89,7 +90,7 @@ class _Stage:
     """Mixed into the class of a stage's model copy (as `fully_shard` does): its forward is one stage's."""
 
     def forward(self, *args):
-        cut = self._meshlib_cut
+        cut = self.meshlib_cut
         inputs = list(args)
         if cut.index > 0:
             cut.hidden, inputs = args[0], list(cut.absent)
@@ -172,7 +173,7 @@ def stage_modules(model: nn.Module, layers: list[str], ranges: list[tuple[int, i
                 _swap(stage, path, _PassThrough())
             stage.get_submodule(layers[b - 1]).register_forward_hook(_stop)
         stage.__class__ = _stage_class(type(model))
-        stage._meshlib_cut = cut
+        stage.meshlib_cut = cut
         out.append(stage)
     return out
 
@@ -197,7 +198,7 @@ def _meta_run(modules: list[nn.Module], layers: list[str], ranges, inputs: tuple
     """Run the stages in turn on meta: each stage's hidden output (last: the loss), and the inputs it reads."""
     outs, reads, hidden = [], [], None
     for mod, (_, b) in zip(modules, ranges, strict=True):
-        cut = mod._meshlib_cut
+        cut = mod.meshlib_cut
         cut.receives = tuple(range(len(inputs))) if cut.index else ()
         with _Touches(inputs) as seen, torch.no_grad():
             out = mod(*inputs) if cut.index == 0 else mod(hidden, *inputs)
@@ -228,7 +229,7 @@ def split_eager(
     """`(compiled, stages)` for an untraceable model: its `EagerStages` and a `Compiled` without a
     graph (what the runtime reads: parameters, layouts, inputs, options, the plan). `call` is the
     model's call on one global microbatch. Pure: every check runs here, before any process group exists."""
-    from .compile import data_axes, input_layouts
+    from .program import data_axes, input_layouts
 
     names = call.names
     in_layouts = input_layouts(call.tensors, in_specs, mesh)
@@ -243,7 +244,7 @@ def split_eager(
     if compute != own:
         for mod in modules:
             mod.to(compute)  # the activations' dtype as the runtime computes them
-    canon, aliases = _canonical_params(model)
+    canon, aliases = canonical_params(model)
     stages = _stages(modules, layers, ranges, local, names, aliases)
     compiled = _compiled(model, reason, mesh, call, in_layouts, data, precision, canon, aliases)
     plan = compiled.plan
@@ -253,7 +254,8 @@ def split_eager(
 
 def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, data, precision, canon, aliases):
     """The `Compiled` of an eager model: every parameter replicated, gradients summed over `data`."""
-    from .compile import Compiled, Options, _with_data_parallel, model_state
+    from .program import Compiled, Options, model_state
+    from .records import with_data_parallel
     from .trace import Traced
 
     axes = Axes(mesh.axis_names, mesh.axis_sizes)
@@ -264,7 +266,7 @@ def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, da
     placements = {n: tuple(map(repr, lay)) for n, lay in layouts.items()}
     plan = Plan(mesh, specs={n: P() for n in canon}, notes=notes, placements=placements)
     options = Options(0, precision, "none", ())
-    plan = _with_data_parallel(plan, traced, layouts, axes, data, options, synced)
+    plan = with_data_parallel(plan, traced, layouts, axes, data, options, synced)
     compiled = Compiled(mesh, axes, None, traced, [], [], dict(plan.specs), layouts, in_layouts, call.names, plan)
     compiled.data_axes, compiled.options, compiled.synced_params = data, options, synced
     compiled.buffers = dict(model.named_buffers())
@@ -278,8 +280,8 @@ def _stages(modules, layers: list[str], ranges, local: tuple, names: list[str], 
     n = len(modules)
     sent = [tuple(sorted(set().union(*reads[b + 1 :]))) for b in range(n - 1)]  # model inputs crossing boundary b
     for s, mod in enumerate(modules):
-        mod._meshlib_cut.receives = sent[s - 1] if s else ()
-        mod._meshlib_cut.sends = sent[s] if s < n - 1 else ()
+        mod.meshlib_cut.receives = sent[s - 1] if s else ()
+        mod.meshlib_cut.sends = sent[s] if s < n - 1 else ()
     ins = [local] + [(hidden[b], *(local[i] for i in sent[b])) for b in range(n - 1)]
     outs = ins[1:] + [(hidden[-1],)]
     sends = [

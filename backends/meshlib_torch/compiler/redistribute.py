@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from .placements import PARTIAL, Layout, Partial, Pending, R, Replicate, bus_bytes, kind, natural_grad
 from .propagate import Axes, NodePlan
-from .trace import source_line
+from .source import source_line
 
 
 @dataclass(frozen=True)

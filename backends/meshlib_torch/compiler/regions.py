@@ -25,6 +25,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..torch_private import HigherOrderOperator
+from .source import source_line
+
 _HOPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}  # name -> index of the subgraph argument
 
 
@@ -32,7 +35,7 @@ def _hop_name(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return None
     target = node.target
-    if isinstance(target, torch._ops.HigherOrderOperator):
+    if isinstance(target, HigherOrderOperator):
         return target.name()
     return None
 
@@ -48,8 +51,6 @@ def inline_regions(gm: fx.GraphModule) -> None:
     """Replace every grad-mode and autocast higher-order op by its subgraph's nodes (nested ones too).
 
     Any other higher-order op raises, naming it and where the model uses it."""
-    from .trace import source_line
-
     graph = gm.graph
     while True:
         hops = [n for n in graph.nodes if _hop_name(n) is not None]

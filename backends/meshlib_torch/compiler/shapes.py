@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
+
 from .placements import Layout, Shard
 
 
@@ -110,3 +112,15 @@ def divides(shape: Sequence[int], p, n: int) -> bool:
         return False
     size = shape[p.dim]
     return size % p.groups == 0 and (size // p.groups) % n == 0
+
+
+def shard_indices(shape, layout: Layout, sizes, coords) -> list[torch.Tensor]:
+    """Per dim, the global indices this rank holds (nested shards applied in mesh order)."""
+    idx = [torch.arange(n) for n in shape]
+    for p, n, c in zip(layout, sizes, coords):
+        if isinstance(p, Shard):
+            d = idx[p.dim]
+            block = d.numel() // (p.groups * n)
+            idx[p.dim] = d.reshape(p.groups, n, block)[:, c].reshape(-1)
+    return idx
+

@@ -7,16 +7,23 @@ rank-dependent ops) belong to their first consumer's block. Nodes before the
 first block form "pre" (embeddings), nodes after the last form "post" (the
 final norm, the head, the loss). `split_graph` turns that into one submodule
 per part, called in order by a small top-level graph: the unit that FSDP
-shards, recompute wraps and pipelining (issue 5) places on stages.
+shards and recompute wraps (`Recompute`: whole blocks, or all but their
+matmuls and attention, torch's selective checkpointing; collectives inside a
+block run again when it is recomputed, and the plan counts them).
 """
 
 from __future__ import annotations
 
 import re
+from functools import partial
 
+import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .modules import resolve, set_attr
 
 
 def layer_paths(model: nn.Module) -> list[str]:
@@ -96,11 +103,9 @@ def _move_parameters_into_parts(top: fx.GraphModule) -> None:
     """split_module passes parameters to the parts as arguments and keeps them on the top module.
     Move each one used by a single part into that part (same dotted name), so that the part owns
     it: FSDP2 shards per part, and recompute sees it as the part's own."""
-    from .trace import _resolve, _set_attr
-
     graph = top.graph
     for node in list(graph.nodes):
-        if node.op != "get_attr" or not isinstance(_resolve(top, node.target), nn.Parameter):
+        if node.op != "get_attr" or not isinstance(resolve(top, node.target), nn.Parameter):
             continue
         users = list(node.users)
         if len(users) != 1 or users[0].op != "call_module" or list(users[0].args).count(node) != 1:
@@ -109,7 +114,7 @@ def _move_parameters_into_parts(top: fx.GraphModule) -> None:
         part = top.get_submodule(call.target)
         i = list(call.args).index(node)
         holder = [n for n in part.graph.nodes if n.op == "placeholder"][i]
-        _set_attr(part, node.target, _resolve(top, node.target))
+        set_attr(part, node.target, resolve(top, node.target))
         with part.graph.inserting_before(holder):
             attr = part.graph.get_attr(node.target)
         attr.meta = dict(holder.meta)
@@ -128,3 +133,29 @@ def _del_attr(root: nn.Module, target: str) -> None:
     for part in parents:
         mod = getattr(mod, part)
     delattr(mod, last)
+
+
+aten = torch.ops.aten
+_KEEP = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default, aten.matmul.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_attention_math.default,
+}  # fmt: skip
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Recompute(nn.Module):
+    """Run `block` under activation checkpointing (`mode`: "block" or "selective")."""
+
+    def __init__(self, block: nn.Module, mode: str):
+        super().__init__()
+        self.block, self.mode = block, mode
+
+    def forward(self, *args):
+        if self.mode == "selective":
+            ctx = partial(create_selective_checkpoint_contexts, _policy)
+            return checkpoint(self.block, *args, use_reentrant=False, context_fn=ctx)
+        return checkpoint(self.block, *args, use_reentrant=False)

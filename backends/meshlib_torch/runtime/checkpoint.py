@@ -19,7 +19,7 @@ Every tensor is saved as it lives (a DTensor parameter in its layout, FSDP2's
 shard, ZeRO-1's master shard), and DCP records each rank's piece by its global
 offsets, so a run on another mesh or zero level reads just the pieces it needs.
 Some pieces are not one box of the global tensor: a fused projection split in
-groups over `tp` (a `_StridedShard`), and FSDP2's or ZeRO-1's split inside
+groups over `tp` (a `StridedShard`), and FSDP2's or ZeRO-1's split inside
 it. DTensor describes such a piece by its first offset alone, so DCP refuses
 to save it (overlapping chunks) and silently loads the wrong rows into it
 (both seen on torch 2.13). Here each such piece is described as several boxes,
@@ -73,8 +73,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import _get_shard_size_and_offsets
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..torch_private import StridedShard, make_wrapper_subclass, shard_size_and_offsets
 
 __all__ = ["load", "save"]
 
@@ -410,7 +410,7 @@ def _held_runs(t: DTensor) -> list[list[tuple[int, int, int]]] | None:
     """Per tensor dim, the (local start, global start, length) runs this rank holds; None if nothing.
 
     The global indices come from DTensor's own rule (placements applied left to
-    right over the mesh, `_StridedShard` included), kept whole rather than
+    right over the mesh, `StridedShard` included), kept whole rather than
     reduced to their first offset.
     """
     mesh, shape = t.device_mesh, tuple(t.shape)
@@ -419,9 +419,9 @@ def _held_runs(t: DTensor) -> list[list[tuple[int, int, int]]] | None:
         return None
     sizes, index = list(shape), {}
     for mesh_dim, p in enumerate(t.placements):
-        if not isinstance(p, (Shard, _StridedShard)):
+        if not isinstance(p, (Shard, StridedShard)):
             continue
-        size, offsets = _get_shard_size_and_offsets(
+        size, offsets = shard_size_and_offsets(
             sizes[p.dim], mesh.size(mesh_dim), coord[mesh_dim], p, index.get(p.dim), shape[p.dim], False
         )
         if size == 0:
@@ -451,7 +451,7 @@ class _Pieces(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shape, local: torch.Tensor, boxes: list):
-        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
+        r = make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
         r._boxes = boxes
         r._properties = TensorProperties.create_from_tensor(local)
         return r

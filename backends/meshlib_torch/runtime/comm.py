@@ -193,4 +193,16 @@ class _CommFn(torch.autograd.Function):
             return comm.run(grad, comm.spec.grad_dst, target, "backward"), None
 
 
-__all__ = ["COUNTER", "Comm", "CommCounter", "all_gather", "reduce_scatter", "all_reduce"]
+def reducer(groups: dict, counter: CommCounter = COUNTER):
+    """The `reduce` of the rank-dependent ops (`compiler.special`): an all-reduce over the named axis's
+    process group, counted."""
+
+    def reduce(x: torch.Tensor, op: str, axis: str, wait: bool = True):
+        counter.record("forward", "all_reduce", axis, x.numel() * x.element_size(), "cross_entropy")
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        return dist.all_reduce(x, op=reduce_op, group=groups[axis], async_op=not wait)
+
+    return reduce
+
+
+__all__ = ["COUNTER", "Comm", "CommCounter", "all_gather", "all_reduce", "reduce_scatter", "reducer"]

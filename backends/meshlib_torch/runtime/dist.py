@@ -32,7 +32,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshlib import Mesh
 
-__all__ = ["device_type", "backend", "init", "device_mesh", "group", "shutdown"]
+from ..torch_private import flatten_mesh, group_options, world_timeout
+
+__all__ = ["device_type", "backend", "init", "device_mesh", "group", "shutdown", "start"]
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _MESHES: dict[tuple[Mesh, float | None], DeviceMesh] = {}
@@ -63,6 +65,14 @@ def init(*, timeout: float = 120.0) -> None:
     if device_type() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     c10d.init_process_group(backend(), timeout=timedelta(seconds=timeout))
+
+
+def start(mesh: Mesh, *, timeout: float | None = None) -> DeviceMesh:
+    """Join the world group (from torchrun's environment) and return `mesh`'s DeviceMesh; raises on every
+    rank, before any collective, if the mesh does not cover the world."""
+    init()
+    mesh.check_world_size(c10d.get_world_size())
+    return device_mesh(mesh, timeout=timeout)
 
 
 def device_mesh(mesh: Mesh, *, timeout: float | None = None) -> DeviceMesh:
@@ -119,7 +129,7 @@ def group(dm: DeviceMesh, axes: str | tuple[str, ...]) -> c10d.ProcessGroup:
     key = (id(dm), axes)
     if key not in _GROUPS:
         limit = _TIMEOUTS.get(id(dm)) or _world_timeout()
-        pg = dm[axes]._flatten("_".join(axes), backend_override=_options(limit)).get_group()
+        pg = flatten_mesh(dm, axes, _options(limit)).get_group()
         _check_order(dm, axes, pg)
         _GROUPS[key] = (dm, pg)
     return _GROUPS[key][1]
@@ -136,14 +146,12 @@ def shutdown() -> None:
 
 def _world_timeout() -> timedelta:
     """The timeout the world group was created with."""
-    return c10d.group.WORLD._get_backend(torch.device(device_type())).options._timeout
+    return world_timeout(device_type())
 
 
 def _options(limit: timedelta) -> tuple:
     """(backend, options) that make a new group with timeout `limit`: the device type picks the class."""
-    options = c10d.ProcessGroupNCCL.Options() if backend() == "nccl" else c10d.ProcessGroupGloo._Options()
-    options._timeout = limit
-    return backend(), options
+    return backend(), group_options(backend(), limit)
 
 
 def _check_order(dm: DeviceMesh, axes: tuple[str, ...], pg: c10d.ProcessGroup) -> None:

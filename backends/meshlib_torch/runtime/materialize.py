@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..compiler.placements import Layout, Shard
+from ..compiler.placements import Layout
+from ..compiler.shapes import shard_indices
 
 InitSpec = Callable[[str], tuple[str, float]]  # name -> ("normal", std) | ("zeros", 0) | ("ones", 0)
 _BLOCK = 1 << 20  # elements drawn at a time
@@ -50,17 +51,6 @@ def init_full(name: str, shape, dtype: torch.dtype, init: InitSpec, seed: int) -
     """The whole parameter, as the single-process reference builds it."""
     parts = [b for _, b in _blocks(name, tuple(shape), dtype, init, seed)]
     return torch.cat(parts) if shape else parts[0]
-
-
-def shard_indices(shape, layout: Layout, sizes, coords) -> list[torch.Tensor]:
-    """Per dim, the global indices this rank holds (nested shards applied in mesh order)."""
-    idx = [torch.arange(n) for n in shape]
-    for p, n, c in zip(layout, sizes, coords):
-        if isinstance(p, Shard):
-            d = idx[p.dim]
-            block = d.numel() // (p.groups * n)
-            idx[p.dim] = d.reshape(p.groups, n, block)[:, c].reshape(-1)
-    return idx
 
 
 def init_local(name: str, shape, dtype, layout: Layout, sizes, coords, init: InitSpec, seed: int) -> torch.Tensor:

@@ -1,8 +1,5 @@
-"""The optimizer side of data parallelism: gradient sync, ZeRO-1, master weights, loss scaling.
+"""The optimizer side of data parallelism: ZeRO-1, master weights, loss scaling.
 
-- `GradSync` (ZeRO-0): an all-reduce of each parameter's gradient over the
-  data-parallel axes, from a post-accumulate hook, so it overlaps the rest of
-  backward; off while accumulating microbatches.
 - `MeshAdamW`: AdamW over fp32 master weights when the parameters are bf16 or
   fp16; with `zero=1` each data-parallel rank keeps only its shard of the
   masters and moments: the gradient is reduce-scattered into it and the
@@ -25,44 +22,11 @@ from torch.distributed.tensor import DTensor
 
 from ..compiler import placements as pl
 from .comm import COUNTER, CommCounter, all_gather, reduce_scatter
+from .dtensor import torch_placements
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-class GradSync:
-    """Sum every parameter's gradient over the data-parallel group once its last microbatch is in."""
-
-    def __init__(self, params: dict[str, torch.nn.Parameter], group, axis_name: str, reduce_dtype: torch.dtype,
-                 counter: CommCounter = COUNTER):  # fmt: skip
-        self.group, self.axis, self.reduce_dtype, self.counter = group, axis_name, reduce_dtype, counter
-        self.enabled = True
-        self.params = [p for p in params.values() if p.requires_grad]
-        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
-
-    def _hook(self, p: torch.Tensor) -> None:
-        if self.enabled:
-            self._sync(p)
-
-    def flush(self) -> None:
-        """Sum every gradient now (after a pipeline's microbatches, which ran with sync off)."""
-        for p in self.params:
-            self._sync(p)
-
-    def _sync(self, p: torch.Tensor) -> None:
-        if p.grad is None:
-            return
-        g = _local(p.grad)
-        buf = g.to(self.reduce_dtype) if g.dtype != self.reduce_dtype else g
-        dist.all_reduce(buf, group=self.group)
-        self.counter.record("backward", "all_reduce", self.axis, buf.numel() * buf.element_size(), "grad sync")
-        if buf is not g:
-            g.copy_(buf)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 class MeshAdamW:
@@ -116,8 +80,6 @@ class MeshAdamW:
             piece = piece.to(_master_dtype(local)).clone()  # a separate fp32 master (bf16/fp16 parameters)
         # else: a full-precision parameter is its own master: the shard is a view into it
         placements = _master_layout(layout, mesh_axes, self.dp_axis, d, tuple(local.shape))
-        from .parallel import torch_placements
-
         global_shape = tuple(p.shape)
         dt = DTensor.from_local(
             piece, p.device_mesh, torch_placements(placements), shape=global_shape, stride=p.stride()

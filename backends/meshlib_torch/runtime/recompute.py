@@ -1,41 +1,19 @@
-"""Activation recompute of the compiled model's blocks: whole blocks, or all but the matmuls.
-
-`block` keeps only each block's inputs and recomputes the rest in backward.
-`selective` keeps the outputs of the matmuls and attention (the expensive
-ops) and recomputes the cheap elementwise ones (torch's selective
-activation checkpointing). Collectives inside a block run again when it is
-recomputed; the plan counts them.
-"""
+"""The recompute step: each block of the lowered graph under activation checkpointing (`compiler.split`)."""
 
 from __future__ import annotations
 
-from functools import partial
-
-import torch
-from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-aten = torch.ops.aten
-_KEEP = {
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default, aten.matmul.default,
-    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_attention_math.default,
-}  # fmt: skip
+from ..compiler.split import Recompute
 
 
-def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+def apply_recompute(par) -> None:
+    """Wrap every layer block in `Recompute` ("block": keep its inputs only; "selective": keep its
+    matmuls' and attention's outputs too). With a pipeline the stages are not cut into blocks: the
+    plan says recompute, the stages keep their activations (not built yet)."""
+    mode = par.compiled.options.recompute
+    if mode == "none" or par.compiled.stages is not None:
+        return
+    for i in range(par.compiled.layers):
+        setattr(par.gm, f"layer_{i}", Recompute(getattr(par.gm, f"layer_{i}"), mode))
 
 
-class Recompute(nn.Module):
-    """Run `block` under activation checkpointing (`mode`: "block" or "selective")."""
-
-    def __init__(self, block: nn.Module, mode: str):
-        super().__init__()
-        self.block, self.mode = block, mode
-
-    def forward(self, *args):
-        if self.mode == "selective":
-            ctx = partial(create_selective_checkpoint_contexts, _policy)
-            return checkpoint(self.block, *args, use_reentrant=False, context_fn=ctx)
-        return checkpoint(self.block, *args, use_reentrant=False)
+__all__ = ["apply_recompute"]

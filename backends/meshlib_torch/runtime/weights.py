@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compiler.placements import Layout
-from .materialize import init_full, init_local, shard_indices
+from ..compiler.shapes import shard_indices
+from .materialize import init_full, init_local
 
 _CHUNK = 1 << 20  # elements checksummed at a time
 

@@ -20,7 +20,7 @@ from meshlib import Mesh, Precision
 from .. import data, models
 from ..runtime.materialize import init_full
 from ..runtime.optim import LossScaler
-from ..runtime.parallel import parallelize
+from ..runtime.parallelize import parallelize
 
 # (rtol, atol): DESIGN.md's contract; fp32's atol is torch.testing's default for fp32.
 TOLERANCE = {
@@ -140,108 +140,46 @@ def train_reference(run: RunConfig) -> RunResult:
 
 
 def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
-    """Call on every rank; every rank returns the same result. `progress` shows a bar with the loss."""
+    """Call on every rank; every rank returns the same result. `progress` shows a bar with the loss.
+
+    One loop for every mesh: `train_step` on the global batch (a pipeline's microbatches, or
+    gradient accumulation's), the gradient norm noted before each update."""
     from ..runtime.comm import COUNTER
 
     cfg = models.config(run.model, **run.overrides)
     mesh = Mesh.parse(run.mesh)
     meta = _build(run, cfg, device="meta", dtype=run.torch_dtype)
-    example = data.batch(0, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
-    pipelined = "pp" in mesh and mesh.axis_size("pp") > 1
     par = parallelize(
-        meta,
-        mesh=mesh,
-        rules=models.default_rules(cfg, mesh),
-        example_inputs=example if pipelined else _microbatch(example, 0, run.microbatches),
-        init=_init(cfg, run),
-        seed=run.seed,
-        sequence_parallel=run.sequence_parallel,
-        zero=run.zero,
-        precision=Precision.parse(run.precision) if run.precision else None,
-        recompute=run.recompute,
-        replicate_axes=run.replicate_axes,
-        offload=run.offload,
-        **(dict(microbatches=run.microbatches, schedule=run.schedule, chunks=run.chunks, balance=run.balance,
-               split_points=list(run.split_points) if run.split_points else None) if pipelined else {}),
-    )
+        meta, mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=_batch(run, 0), init=_init(cfg, run),
+        seed=run.seed, sequence_parallel=run.sequence_parallel, zero=run.zero,
+        precision=Precision.parse(run.precision) if run.precision else None, recompute=run.recompute,
+        replicate_axes=run.replicate_axes, offload=run.offload, microbatches=run.microbatches, schedule=run.schedule,
+        chunks=run.chunks, balance=run.balance, split_points=list(run.split_points) if run.split_points else None,
+    )  # fmt: skip
     opt = par.optimizer(lr=run.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    if pipelined:
-        return _train_pipelined(run, par, opt, progress)
-    losses, norms = [], []
-    with _Progress(run.steps, f"{run.model} on {run.mesh}", enabled=progress) as bar:
+    par.track_grad_norm = True
+    losses, norms, comm = [], [], None
+    title = f"{run.model} on {run.mesh}" + (f" ({run.schedule})" if par.pipeline is not None else "")
+    with _Progress(run.steps, title, enabled=progress) as bar:
         for step in range(run.steps):
-            batch = data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
             COUNTER.reset()
-            micro = [_microbatch(batch, i, run.microbatches) for i in range(run.microbatches)]
-            loss = _step(par, opt, micro, norms)
+            losses.append(par.train_step(_batch(run, step), opt))
+            norms.append(par.last_grad_norm)
             comm = COUNTER.snapshot()
-            losses.append(loss)
             bar.step(step, losses[-1], norms[-1])
-    params = {n: _full(p) for n, p in par.named_model_parameters().items()}
+    mine = {n: _full(p) for n, p in par.named_model_parameters().items()}
     if opt.master:  # the fp32 masters are the parameters' true values
-        params.update({n: m.full_tensor().detach().clone() for n, m in opt.master.items() if n in params})
-    return RunResult(losses, norms, params, par.plan, comm)
-
-
-def _train_pipelined(run: RunConfig, pipe, opt, progress: bool) -> RunResult:
-    """The pipeline's own train_step; every rank returns every stage's parameters."""
-    from ..runtime.comm import COUNTER
-
-    losses, norms = [], []
-    with _Progress(run.steps, f"{run.model} on {run.mesh} ({run.schedule})", enabled=progress) as bar:
-        for step in range(run.steps):
-            batch = data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
-            COUNTER.reset()
-            losses.append(pipe.train_step(batch, opt))
-            norms.append(pipe.last_grad_norm)
-            comm = COUNTER.snapshot()
-            bar.step(step, losses[-1], norms[-1])
-    mine = {n: _full(p) for n, p in pipe.named_model_parameters().items()}
-    if opt.master:
         mine.update({n: _full(m) for n, m in opt.master.items() if n in mine})
-    everyone = [None] * torch.distributed.get_world_size()
+    everyone = [None] * torch.distributed.get_world_size()  # pipeline ranks hold different stages
     torch.distributed.all_gather_object(everyone, mine)
     params = {}
     for part in everyone:
         params.update(part)
-    return RunResult(losses, norms, params, pipe.plan, comm)
+    return RunResult(losses, norms, params, par.plan, comm)
 
 
-def _microbatch(batch: tuple, i: int, k: int) -> tuple:
-    return tuple(x.chunk(k)[i] for x in batch)
-
-
-def _step(par, opt, micro: list, norms: list) -> float:
-    """Parallel.train_step, noting the gradient norm (over the synced gradients) before the update."""
-    k = len(micro)
-    total = 0.0
-    for i, inputs in enumerate(micro):
-        par.set_gradient_sync(i == k - 1)
-        loss = par(*inputs) / k
-        total += float(loss.detach())
-        (opt.scaler.scale_loss(loss) if opt.scaler else loss).backward()
-    norms.append(_grad_norm(par, opt))
-    opt.step()
-    opt.zero_grad()
-    return total
-
-
-def _grad_norm(par, opt) -> float:
-    """Norm of the gradient summed over data-parallel ranks (ZeRO-1 reduces inside step: sum the partials here)."""
-    grads = [p.grad for p in par.named_model_parameters().values() if p.grad is not None]
-    scale = opt.scaler.scale if opt.scaler else 1.0
-    if par.zero == 1 and par.compiled.data_axes:
-        from ..runtime import dist as mdist
-
-        group = mdist.group(par.device_mesh, par.compiled.data_axes)
-        summed = []
-        for g in grads:
-            local = g._local_tensor.to(torch.float64).clone()
-            torch.distributed.all_reduce(local, group=group)
-            summed.append(DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride()))
-        grads = summed
-    norm = torch.nn.utils.get_total_norm([g.to(torch.float64) for g in grads])
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm) / scale
+def _batch(run: RunConfig, step: int) -> tuple:
+    return data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
 
 
 def _full(p) -> torch.Tensor:

@@ -86,7 +86,7 @@ class _Recording:
 def run_parallel(trial: Trial) -> Trace:
     """Call on every rank; every rank returns the same whole losses, gradients and parameters."""
     from ..runtime.comm import COUNTER
-    from ..runtime.parallel import parallelize
+    from ..runtime.parallelize import parallelize
 
     mesh = Mesh.parse(trial.mesh)
     model = trial.build()
@@ -97,18 +97,13 @@ def run_parallel(trial: Trial) -> Trace:
     losses, comm = [], None
     for step in range(trial.steps):
         COUNTER.reset()
-        losses.append(float(par.train_step(_step_batch(par, trial.batch(step)), opt)))
+        losses.append(float(par.train_step(trial.batch(step), opt)))
         comm = COUNTER.snapshot()
     mine = {n: _whole(p) for n, p in par.named_model_parameters().items()}
     if getattr(opt.opt, "master", None):  # fp32 masters are the parameters' true values
         mine.update({n: _whole(m) for n, m in opt.opt.master.items() if n in mine})
     grads, params = _from_every_rank(opt.grads), _from_every_rank(mine)
     return Trace(losses, grads, params, par.plan, comm)
-
-
-def _step_batch(par, batch):
-    """`Parallel.train_step` takes a list of microbatches; a pipeline's takes the batch."""
-    return batch if hasattr(par, "stage_modules") else [batch]
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

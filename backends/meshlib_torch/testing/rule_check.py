@@ -22,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
@@ -31,9 +30,9 @@ from ..compiler.localize import localize
 from ..compiler.ops import RULES, Strategy
 from ..compiler.placements import Partial, Replicate, Shard
 from ..compiler.propagate import Axes, NodePlan, fits
-from ..compiler.trace import annotate_values
+from ..compiler.special import special_module
+from ..compiler.values import annotate_values
 from ..runtime.comm import blocks, unblocks
-from ..runtime.special import CrossEntropy, VocabEmbedding
 
 AXIS = "x"
 
@@ -99,12 +98,12 @@ class _SimGroup:
         self.n, self.barrier, self.parts = n, threading.Barrier(n), [None] * n
         self.local = threading.local()
 
-    def simulated_all_reduce(self, x: torch.Tensor, op) -> None:
+    def reduce(self, x: torch.Tensor, op: str, axis: str, wait: bool = True) -> None:
         r = self.local.rank
         self.parts[r] = x.clone()
         self.barrier.wait()
         stacked = torch.stack(self.parts)
-        total = stacked.amax(0) if op == dist.ReduceOp.MAX else stacked.sum(0)
+        total = stacked.amax(0) if op == "max" else stacked.sum(0)
         self.barrier.wait()
         x.copy_(total)
 
@@ -155,8 +154,7 @@ def check(case: OpCase, strategy: Strategy, n: int, *, seed: int = 0, rtol: floa
         group.local.rank = rank
         root = nn.Module()
         for spec in specials:
-            cls = VocabEmbedding if spec.kind == "vocab_embedding" else CrossEntropy
-            root.add_module(spec.name, cls(**spec.args, rank=rank, groups={AXIS: group}, ranks={AXIS: rank}))
+            root.add_module(spec.name, special_module(spec, {AXIS: rank}, group.reduce))
         local_gm = fx.GraphModule(root, gm.graph)
         local = [_local(x, need.get(i, Replicate()), rank, n, noise.get(i)) for i, x in enumerate(case.inputs)]
         return local_gm(*local)

@@ -19,14 +19,14 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..compiler.compile import Compiled, zero1_pieces
-from ..compiler.placements import natural_grad
-from ..compiler.shapes import local_shape
-from ..compiler.split import layer_paths, split_graph
-from ..compiler.trace import _set_attr
-from .memtrack import PeakTracker
-from .recompute import Recompute
-from .special import DRY, CrossEntropy, VocabEmbedding
+from ..memtrack import PeakTracker
+from ..torch_private import copy_codegen
+from .modules import set_attr
+from .placements import natural_grad
+from .program import Compiled, zero1_pieces
+from .shapes import local_shape
+from .special import special_module
+from .split import Recompute, layer_paths, split_graph
 
 
 class _DryCollective(torch.autograd.Function):
@@ -72,7 +72,7 @@ def _dry_graph(graph: fx.Graph) -> fx.Graph:
     """The compiled graph with parameters read directly (no DTensor) and CPU's attention kernel."""
     new = fx.Graph()
     new.output(new.graph_copy(graph, {}))
-    new._codegen = graph._codegen
+    copy_codegen(graph, new)
     for node in list(new.nodes):
         if node.op == "call_method" and node.target == "to_local":
             node.replace_all_uses_with(node.args[0])
@@ -102,19 +102,15 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
     for name, p in compiled.traced.params.items():
         t = torch.empty(compiled.local_param_shape(name), dtype=compute if opts.zero < 2 else compute, device="meta")
         params[name] = nn.Parameter(t, requires_grad=p.requires_grad)
-        _set_attr(root, name, params[name])
+        set_attr(root, name, params[name])
     for name, b in compiled.buffers.items():
-        _set_attr(
+        set_attr(
             root, name, torch.empty(tuple(b.shape), dtype=compute if b.is_floating_point() else b.dtype, device="meta")
         )
     for spec in compiled.comms:
         root.add_module(spec.name, DryComm(spec, axes.sizes))
     for spec in compiled.specials:
-        if spec.kind == "vocab_embedding":
-            root.add_module(spec.name, VocabEmbedding(**spec.args, rank=0))
-        else:
-            groups = {a: DRY for a in axes.names}
-            root.add_module(spec.name, CrossEntropy(**spec.args, groups=groups, ranks={}))
+        root.add_module(spec.name, special_module(spec, {}))
     gm = fx.GraphModule(root, _dry_graph(compiled.graph))
     layers = len(layer_paths(model))
     if opts.recompute != "none" or opts.zero >= 2:

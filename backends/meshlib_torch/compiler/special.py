@@ -2,17 +2,26 @@
 
 Both follow Megatron-LM's vocab-parallel formulas. The cross-entropy also
 takes rows split over data-parallel axes: it returns this rank's share of the
-global mean, a partial sum over those axes.
+global mean, a partial sum over those axes. Its sums over ranks go through a
+`reduce(tensor, "max" | "sum", axis)` it is given: the runtime's all-reduce on
+that axis's process group, nothing in a dry run, simulated ranks in the rule
+checks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import COUNTER, CommCounter
+# in place, over the named mesh axis; with wait=False it may return a handle whose wait() finishes it
+Reduce = Callable[..., object]
+
+
+def no_reduce(x: torch.Tensor, op: str, axis: str, wait: bool = True) -> None:
+    """A dry run's reduce: shapes and memory only, no communication."""
 
 
 class VocabEmbedding(nn.Module):
@@ -34,18 +43,18 @@ class _VocabParallelCE(torch.autograd.Function):
     """Per-row losses of logits split over classes: max, log-sum-exp and target logit all-reduced."""
 
     @staticmethod
-    def forward(ctx, logits, target, start, group, counter: CommCounter, ignore_index: int, axis: str):
+    def forward(ctx, logits, target, start, reduce: Reduce, ignore_index: int, axis: str):
         with torch.no_grad():
             x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
             row_max = x.max(dim=-1).values
-            _all_reduce(row_max, group, dist.ReduceOp.MAX, counter, axis)
+            reduce(row_max, "max", axis)
             shifted = x - row_max.unsqueeze(-1)
             local_t = target - start
             inside = (local_t >= 0) & (local_t < x.shape[-1])
             picked = shifted.gather(-1, local_t.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
             exp = shifted.exp()
             both = torch.stack([exp.sum(-1), picked * inside])
-            _all_reduce(both, group, dist.ReduceOp.SUM, counter, axis)
+            reduce(both, "sum", axis)
             sum_exp, target_logit = both[0], both[1]
             loss = sum_exp.log() - target_logit
             valid = target != ignore_index
@@ -60,48 +69,48 @@ class _VocabParallelCE(torch.autograd.Function):
         onehot = torch.zeros_like(probs)
         onehot.scatter_(-1, local_t.clamp(0, probs.shape[-1] - 1).unsqueeze(-1), inside.unsqueeze(-1).to(probs.dtype))
         g = (probs - onehot) * (grad * valid).unsqueeze(-1).to(probs.dtype)
-        return g.to(grad.dtype), None, None, None, None, None, None
-
-
-DRY = object()  # the process group of a dry run: shapes and memory only, no communication
-
-
-def _all_reduce(x: torch.Tensor, group, op, counter: CommCounter, axis: str) -> None:
-    if group is DRY:
-        return
-    simulated = getattr(group, "simulated_all_reduce", None)  # ranks simulated in one process (rule checks)
-    if simulated is not None:
-        simulated(x, op)
-        return
-    dist.all_reduce(x, op=op, group=group)
-    counter.record("forward", "all_reduce", axis, x.numel() * x.element_size(), "cross_entropy")
+        return g.to(grad.dtype), None, None, None, None, None
 
 
 class CrossEntropy(nn.Module):
-    """F.cross_entropy on logits split over classes (`vocab_axis`) and/or rows (`rows_axes`)."""
+    """F.cross_entropy on logits split over classes (`vocab_axis`) and/or rows (`rows_axes`); `rank` is
+    this rank's coordinate on the vocab axis."""
 
     def __init__(
-        self, *, vocab_axis, rows_axes, local_classes, reduction, ignore_index, groups, ranks, counter=COUNTER, **_
-    ):
+        self, *, vocab_axis, rows_axes, local_classes, reduction, ignore_index, rank: int = 0,
+        reduce: Reduce = no_reduce, **_,
+    ):  # fmt: skip
         super().__init__()
-        self.vocab_axis = vocab_axis
-        self.vocab_group = groups.get(vocab_axis) if vocab_axis else None
-        self.start = ranks.get(vocab_axis, 0) * local_classes if vocab_axis else 0
-        self.row_groups = [(a, groups[a]) for a in rows_axes]
-        self.reduction, self.ignore_index, self.counter = reduction, ignore_index, counter
+        self.vocab_axis, self.rows_axes, self.reduce = vocab_axis, tuple(rows_axes), reduce
+        self.start = rank * local_classes if vocab_axis else 0
+        self.reduction, self.ignore_index = reduction, ignore_index
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.vocab_group is not None:
+        count, pending = None, []
+        if self.reduction not in ("none", "sum"):  # the global count of targets, summed while the rows compute
+            count = (target != self.ignore_index).sum().to(torch.float64)
+            pending = [self.reduce(count, "sum", axis, wait=False) for axis in self.rows_axes[:1]]
+        if self.vocab_axis:
             per_row = _VocabParallelCE.apply(
-                logits, target, self.start, self.vocab_group, self.counter, self.ignore_index, self.vocab_axis
+                logits, target, self.start, self.reduce, self.ignore_index, self.vocab_axis
             )
         else:
             per_row = F.cross_entropy(logits, target, reduction="none", ignore_index=self.ignore_index)
-        if self.reduction == "none":
-            return per_row
-        if self.reduction == "sum":
-            return per_row.sum()
-        count = (target != self.ignore_index).sum().to(torch.float64)
-        for axis, group in self.row_groups:
-            _all_reduce(count, group, dist.ReduceOp.SUM, self.counter, axis)
+        if count is None:
+            return per_row if self.reduction == "none" else per_row.sum()
+        for handle in pending:
+            if handle is not None:
+                handle.wait()
+        for axis in self.rows_axes[1:]:
+            self.reduce(count, "sum", axis)
         return per_row.sum() / count.to(per_row.dtype)
+
+
+def special_module(spec, coords: dict[str, int], reduce: Reduce = no_reduce) -> nn.Module:
+    """The module that runs one rank-dependent op (`localize.SpecialSpec`) on the rank at `coords`."""
+    if spec.kind == "vocab_embedding":
+        return VocabEmbedding(**spec.args, rank=coords.get(spec.args["axis"], 0))
+    return CrossEntropy(**spec.args, rank=coords.get(spec.args["vocab_axis"], 0), reduce=reduce)
+
+
+__all__ = ["CrossEntropy", "Reduce", "VocabEmbedding", "no_reduce", "special_module"]

@@ -16,13 +16,13 @@ import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from .torch_private import TorchDispatchMode, pytree
 
 
 def _storages(obj) -> list:
     out = []
-    for t in tree_flatten(obj)[0]:
+    for t in pytree.tree_flatten(obj)[0]:
         if isinstance(t, DTensor):
             t = t._local_tensor
         if torch.is_tensor(t):

@@ -1,11 +1,14 @@
-"""ZeRO-2 and ZeRO-3 with FSDP2's `fully_shard`, on the compiled model's blocks.
+"""ZeRO-2 and ZeRO-3 with FSDP2's `fully_shard`, on the compiled model's blocks (ZeRO-1 is the optimizer's).
 
 Each layer of the split model is one FSDP unit, the rest (embeddings, head)
-is the root's. The parameters are already DTensors on the whole mesh, so
-`dp_mesh_dims` tells FSDP which axes are data-parallel (and which of those
-only replicate: HSDP). Gradients are summed, not averaged, over those axes
-(the compiled loss is already each rank's share of the global mean). Every
-all-gather and reduce-scatter goes through meshlib's counter.
+is the root's. On a mesh with more than the data axes the parameters are
+DTensors on the whole mesh, so `dp_mesh_dims` tells FSDP which axes are
+data-parallel (and which of those only replicate: HSDP). On a mesh of one
+data axis they are plain tensors sharded by FSDP over it, exactly as
+`fully_shard` by hand: nothing wraps them on the way into the compiled graph.
+Gradients are summed, not averaged, over the data axes (the compiled loss is
+already each rank's share of the global mean). Every all-gather and
+reduce-scatter goes through meshlib's counter.
 """
 
 from __future__ import annotations
@@ -15,19 +18,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from .comm import COUNTER, CommCounter
+from ...torch_private import AllGather, ReduceScatter, StridedShard, in_backward
+from .. import dist as mdist
+from ..comm import COUNTER, CommCounter
+from .data import GradSync
 
 try:  # torch >= 2.13: parameters already on a full SPMD mesh
     from torch.distributed.fsdp import DataParallelMeshDims
 except ImportError:  # pragma: no cover - older torch
     DataParallelMeshDims = None
-
-try:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # pragma: no cover
-    AllGather = ReduceScatter = object
 
 
 class _Alloc:
@@ -40,7 +40,7 @@ class CountedAllGather(_Alloc, AllGather):
         self.axis, self.counter = axis, counter
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        phase = "backward" if in_backward() else "forward"
         self.counter.record(
             phase, "all_gather", self.axis, output_tensor.numel() * output_tensor.element_size(), "fsdp"
         )
@@ -60,6 +60,31 @@ class CountedReduceScatter(_Alloc, ReduceScatter):
         return fn(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
+def apply_zero(par, *, offload: bool, prefetch: bool) -> None:
+    """ZeRO-2/3: FSDP2 on each block and the root; a parameter FSDP2 cannot shard (`unshardable`) has its
+    gradient summed by a `GradSync` instead."""
+    compiled = par.compiled
+    opts, data = compiled.options, compiled.data_axes
+    if opts.zero < 2:
+        return
+    reduce = getattr(torch, opts.precision.reduce)
+    left = {id(p) for p in unshardable(par.gm)}  # before fully_shard replaces the parameters
+    par.fsdp_units = apply_fsdp(
+        par.gm, par.blocks(), par.device_mesh, zero=opts.zero, plain=plain_parameters(compiled),
+        shard_axes=tuple(a for a in data if a not in opts.replicate_axes), replicate_axes=opts.replicate_axes,
+        param_dtype=getattr(torch, opts.precision.param), reduce_dtype=reduce, offload=offload, prefetch=prefetch,
+    )  # fmt: skip
+    whole = {n: p for n, p in par.named_model_parameters().items() if id(p) in left}
+    if whole:
+        par.grad_sync = GradSync(whole, mdist.group(par.device_mesh, data), "_".join(data), reduce)
+
+
+def plain_parameters(compiled) -> bool:
+    """ZeRO-2/3 on a mesh of one data axis: the parameters are plain tensors (FSDP2 alone makes them
+    DTensors, as `fully_shard` by hand does), and the compiled graph reads them as they are."""
+    return compiled.options.zero >= 2 and len(compiled.mesh.axis_names) == 1 and bool(compiled.data_axes)
+
+
 def apply_fsdp(
     top: nn.Module,
     layers: list[nn.Module],
@@ -68,6 +93,7 @@ def apply_fsdp(
     zero: int,
     shard_axes: tuple[str, ...],
     replicate_axes: tuple[str, ...] = (),
+    plain: bool = False,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     output_dtype: torch.dtype | None = None,
@@ -75,13 +101,14 @@ def apply_fsdp(
     prefetch: bool = True,
     counter: CommCounter = COUNTER,
 ) -> list[nn.Module]:
-    """Shard `layers` and then `top` (the root); returns the FSDP units, layers first."""
-    if DataParallelMeshDims is None:
+    """Shard `layers` and then `top` (the root); returns the FSDP units, layers first. `plain`: the
+    parameters are plain tensors and the mesh is the data axis alone."""
+    if DataParallelMeshDims is None and not plain:
         raise RuntimeError("ZeRO-2/3 on a model that is also tensor-parallel needs torch>=2.13 (DataParallelMeshDims)")
-    dims = DataParallelMeshDims(
+    dims = None if plain else DataParallelMeshDims(
         shard=shard_axes[0] if len(shard_axes) == 1 else shard_axes,
         replicate=(replicate_axes[0] if len(replicate_axes) == 1 else replicate_axes) if replicate_axes else None,
-    )
+    )  # fmt: skip
     strided = any(_shard_placement(p) is not None for p in top.parameters())
     if strided and replicate_axes:
         raise ValueError(
@@ -95,7 +122,7 @@ def apply_fsdp(
         reshard_after_forward=zero == 3,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype),
         offload_policy=CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy(),
-        dp_mesh_dims=dims,
+        **({} if plain else {"dp_mesh_dims": dims}),
     )
     units = [fully_shard(layer, **kwargs) for layer in layers]
     units.append(fully_shard(top, **kwargs))
@@ -120,7 +147,7 @@ def unshardable(module: nn.Module) -> list[nn.Parameter]:
     data-parallel rank and their gradients are all-reduced (a few bytes per layer)."""
     out = []
     for p in module.parameters():
-        if p.dim() == 1 and any(isinstance(q, _StridedShard) for q in getattr(p, "placements", ())):
+        if p.dim() == 1 and any(isinstance(q, StridedShard) for q in getattr(p, "placements", ())):
             out.append(p)
     return out
 
@@ -129,7 +156,7 @@ def _shard_placement(param: torch.Tensor):
     """FSDP splits dim 0 unless a tensor-parallel placement already splits it in groups (a fused
     projection's strided shard): DTensor cannot nest FSDP's shard inside that, so take dim 1."""
     placements = getattr(param, "placements", ())
-    if any(isinstance(p, _StridedShard) and p.dim == 0 for p in placements) and param.dim() > 1:
+    if any(isinstance(p, StridedShard) and p.dim == 0 for p in placements) and param.dim() > 1:
         return Shard(1)
     return None
 
@@ -138,3 +165,6 @@ def set_sync(units: list[nn.Module], enabled: bool) -> None:
     """Gradient accumulation: no reduce-scatter until the last microbatch."""
     for unit in units:
         unit.set_requires_gradient_sync(enabled, recurse=False)
+
+
+__all__ = ["apply_fsdp", "apply_zero", "plain_parameters", "set_sync", "unshardable"]

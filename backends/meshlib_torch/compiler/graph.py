@@ -1,0 +1,140 @@
+"""One graph's passes, in order: trace -> annotate -> propagate -> redistribute -> localize -> records.
+
+`compile_graph(model, call, mesh=..., rules=..., options=...)` needs no
+processes and no real memory: the model may live on the meta device and the
+mesh is the core's abstract `Mesh`. It returns a `Compiled` holding the local
+graph (run later by the runtime, on a real DeviceMesh) and the core's `Plan`.
+`compile.compile_model` is the entry for any mesh; a pipeline compiles one
+microbatch's graph here and cuts it into stages (`pipeline.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+
+import torch
+
+from meshlib import Mesh
+
+from . import annotate as _annotate
+from .call import Call
+from .dryrun import dry_peak
+from .localize import fold_scalars, localize
+from .moe import check_not_moe
+from .program import Compiled, Options, data_axes, input_layouts, model_state
+from .propagate import Axes, propagate
+from .records import plan_of, with_data_parallel
+from .redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
+from .split import layer_paths, partition
+from .trace import trace
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """The compiler allocates many small, long-lived objects (graph nodes, fake tensors):
+    full collections over them made compile time grow faster than the model."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def compile_graph(
+    model: torch.nn.Module, call: Call, /, *, mesh: Mesh, rules, options: Options, in_specs=None,
+    sequence_parallel: bool = False, tp_axis: str = "tp", seq_dim: int = 1, estimate_memory: bool = False,
+    count_flops: bool = False,
+) -> Compiled:  # fmt: skip
+    """One graph for `mesh`, called as `call`: its plan, and its model state per rank (with
+    `estimate_memory`, the dry run's activations and peak too). `count_flops` notes each op's
+    forward FLOPs on its node (`meta["flops"]`, a pipeline's stage cost)."""
+    check_not_moe(model)
+    with _gc_paused():
+        compiled = _compile(
+            model, mesh, rules, call, in_specs, sequence_parallel, tp_axis, seq_dim, options, count_flops
+        )
+    memory = model_state(compiled)
+    if estimate_memory:
+        dry = dry_peak(compiled, model, batch=list(call.tensors.values()))
+        memory = dataclasses.replace(memory, activations=dry["step"], peak=dry["peak"])
+    compiled.plan = compiled.plan.replace(memory=memory)
+    return compiled
+
+
+def _refuse_data_gathers(comms: list[CommSpec], plans, axes: Axes, data: tuple[str, ...]) -> None:
+    """Raise where an activation would be gathered over a data axis (see `redistribute.data_gathers`)."""
+    found = data_gathers(comms, plans, axes, data) if data else []
+    if not found:
+        return
+    lines = []
+    for spec, axis, no_rule in found[:5]:
+        why = "it has no rule, so it runs whole on every rank" if no_rule else "its rules need that input whole"
+        lines.append(
+            f"{spec.op} (node {spec.consumer}, at {spec.source or 'an unknown line'}) needs {spec.producer} "
+            f"{list(spec.shape)} whole over data axis {axis!r}: {why}"
+        )
+    more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+    raise ValueError(
+        "data parallelism would collapse: " + "; ".join(lines) + more + ". Gathering an activation over a "
+        "data-parallel axis makes every rank of it compute the whole batch from there on. Fix: write that part of "
+        "the forward with ops meshlib can split, or pass allow_data_gather=True to accept the gather"
+    )
+
+
+def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, options, count_flops) -> Compiled:
+    traced = trace(model, call, count_flops=count_flops)
+    gm = traced.gm
+    fold_scalars(gm)
+    specs = _annotate.param_specs(traced.params, rules, mesh, traced.aliases)
+    groups = _annotate.fuse_groups(gm)
+    layouts = {n: _annotate.spec_to_layout(s, mesh) for n, s in specs.items()}
+    layouts = {n: _annotate.with_groups(lay, groups[n]) if n in groups else lay for n, lay in layouts.items()}
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    in_layouts = input_layouts(call.tensors, in_specs, mesh, options.replicate_axes)
+    axes = _axes(mesh, sp, tp_axis, seq_dim, call)
+    data = data_axes(in_layouts, mesh)
+    bad = [a for a in options.replicate_axes if a not in data]
+    if bad:
+        raise ValueError(
+            f"replicate_axes {bad} are not data-parallel axes of this plan ({data}); "
+            "HSDP replicates over some of those"
+        )
+    plans = propagate(gm, axes, params=layouts, inputs=in_layouts)
+    synced = partial_grad_params(plans, axes, data)
+    trainable = {n for n, p in traced.params.items() if p.requires_grad}
+    if options.zero >= 1 and data and synced != trainable:
+        raise ValueError(
+            f"zero={options.zero} needs every parameter's gradient to be a partial sum over {data}, but "
+            f"{sorted(trainable - synced)} compute on activations gathered whole over those axes. "
+            "Fix: use zero=0, or keep those activations split over the batch"
+        )
+    comms = insert_comms(gm, plans, axes, deferred=data)
+    if not options.allow_data_gather:
+        _refuse_data_gathers(comms, plans, axes, data)
+    specials = localize(gm, plans, axes, set(traced.params))
+    gm.graph.lint()
+    plan = plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts)
+    plan = with_data_parallel(plan, traced, layouts, axes, data, options, synced)
+    buffers = {n: b for n, b in gm.named_buffers()}
+    compiled = Compiled(
+        mesh, axes, gm.graph, traced, comms, specials, specs, layouts, in_layouts, names, plan, buffers, plans
+    )
+    compiled.data_axes, compiled.options, compiled.synced_params = data, options, synced
+    paths = layer_paths(model)
+    compiled.parts, compiled.layers = partition(gm.graph, paths), len(paths)
+    return compiled
+
+
+def _axes(mesh: Mesh, sp: bool, tp_axis: str, seq_dim: int, call: Call) -> Axes:
+    slice_dims = ()
+    if sp and tp_axis in mesh:
+        seq = tuple(next(iter(call.tensors.values())).shape)[seq_dim]
+        slice_dims = ((tp_axis, seq_dim, seq),)
+    return Axes(mesh.axis_names, mesh.axis_sizes, slice_dims)
+
+
+__all__ = ["compile_graph"]

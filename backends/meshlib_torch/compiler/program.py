@@ -1,0 +1,179 @@
+"""What the compiler hands the runtime: a `Compiled` program, and the model state it implies per rank.
+
+A `Compiled` holds the local graph (or, for a model no tracer could follow,
+the eager stages), every parameter's and input's layout, the inserted
+collectives and rank-dependent ops, and the core's `Plan`. With a pipeline it
+also holds the stages and the schedule that runs them. The runtime carries it
+out and decides nothing the plan does not say.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from meshlib import Memory, Mesh, NamedSharding, P, Plan, Precision
+from meshlib.cost import fsdp2_memory, zero_memory
+
+from .annotate import spec_to_layout
+from .localize import SpecialSpec
+from .placements import Layout, Shard, zero1_split
+from .propagate import Axes, NodePlan
+from .redistribute import CommSpec
+from .shapes import shard_indices
+from .trace import Traced
+
+RECOMPUTE = ("none", "block", "selective")
+
+
+@dataclass(frozen=True)
+class Options:
+    zero: int
+    precision: Precision
+    recompute: str
+    replicate_axes: tuple[str, ...]
+    allow_data_gather: bool = False
+
+
+def check_recompute(value: str) -> str:
+    if value not in RECOMPUTE:
+        raise ValueError(f"recompute={value!r}: choose one of {RECOMPUTE}")
+    return value
+
+
+@dataclass
+class Compiled:
+    mesh: Mesh
+    axes: Axes
+    graph: fx.Graph
+    traced: Traced
+    comms: list[CommSpec]
+    specials: list[SpecialSpec]
+    param_specs: dict[str, P]
+    param_layouts: dict[str, Layout]
+    input_layouts: dict[str, Layout]
+    input_names: list[str]
+    plan: Plan
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    plans: dict[fx.Node, NodePlan] = field(default_factory=dict, repr=False)
+    data_axes: tuple[str, ...] = ()
+    options: Options | None = None
+    parts: dict[fx.Node, int] = field(default_factory=dict, repr=False)  # node -> pre/layer/post part
+    synced_params: set[str] = field(default_factory=set)  # gradients the runtime sums over the data axes
+    # with a pipeline: this program's stages (`StageGraphs`, or `EagerStages` cut from the eager model),
+    # the core schedule that runs them, and how many microbatches the global batch holds (with no
+    # pipeline, microbatches > 1 is gradient accumulation)
+    stages: object = None
+    schedule: object = None
+    microbatches: int = 1
+    pp_axis: str = "pp"
+    layers: int = 0  # the model's layers (its longest ModuleList): blocks for FSDP2 and recompute
+
+    def rank_indices(self, name: str, rank: int) -> list:
+        """Per dim, the global indices of parameter `name` that `rank` holds."""
+        coords = self.mesh.coords(rank)
+        return shard_indices(
+            tuple(self.traced.params[name].shape),
+            self.param_layouts[name],
+            self.axes.sizes,
+            [coords[a] for a in self.axes.names],
+        )
+
+    def local_param_shape(self, name: str) -> tuple[int, ...]:
+        shape = tuple(self.traced.params[name].shape)
+        out = list(shape)
+        for p, n in zip(self.param_layouts[name], self.axes.sizes):
+            if isinstance(p, Shard):
+                out[p.dim] = -(-out[p.dim] // n)
+        return tuple(out)
+
+
+def default_in_spec(mesh: Mesh, replicate_axes: tuple[str, ...] = ()) -> P:
+    """Inputs are split on their batch dim over the data-parallel axes: `dp`, and HSDP's replicate axes."""
+    data = tuple(a for a in mesh.axis_names if (a == "dp" or a in replicate_axes) and mesh.axis_size(a) > 1)
+    return P(data) if data else P()
+
+
+def data_axes(in_layouts: dict[str, Layout], mesh: Mesh) -> tuple[str, ...]:
+    """Mesh axes that split the batch dim of every input (in mesh order)."""
+    layouts = list(in_layouts.values())
+    return tuple(
+        a for i, a in enumerate(mesh.axis_names)
+        if layouts and mesh.axis_size(a) > 1 and all(lay[i] == Shard(0) for lay in layouts)
+    )  # fmt: skip
+
+
+def input_layouts(tensors: dict[str, torch.Tensor], in_specs, mesh: Mesh, replicate_axes=()) -> dict[str, Layout]:
+    """Each input's layout: its spec from `in_specs` (by name, or in order), else the batch split over dp."""
+    names = list(tensors)
+    if in_specs is None:
+        in_specs = {n: default_in_spec(mesh, replicate_axes) for n in names}
+    elif not isinstance(in_specs, dict):
+        in_specs = dict(zip(names, in_specs))
+    unknown = sorted(set(in_specs) - set(names))
+    if unknown:
+        raise ValueError(f"in_specs names {unknown}, which are not tensor inputs of the call ({names})")
+    out = {}
+    for name, x in tensors.items():
+        spec = in_specs.get(name, P())
+        NamedSharding(mesh, spec).check(tuple(x.shape), path=f"input {name!r}")
+        out[name] = spec_to_layout(spec, mesh)
+    return out
+
+
+def model_state(compiled: Compiled) -> Memory:
+    """Bytes per rank of parameters, gradients and optimizer state, as the runtime stores them.
+
+    ZeRO-0/1 keep DESIGN.md's layout: parameters and gradients in the compute
+    dtype, fp32 masters (mixed precision) and two moments in the optimizer,
+    sharded over the data axes from ZeRO-1. ZeRO-2/3 are FSDP2's storage:
+    full-precision shards of parameters and gradients, and the moments.
+    """
+    opts = compiled.options
+    full = next(iter(compiled.traced.params.values())).dtype
+    compute = getattr(torch, opts.precision.param)
+    mixed = compute in (torch.bfloat16, torch.float16)
+    psi = sum(math.prod(compiled.local_param_shape(n)) for n in compiled.traced.params)
+    n = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes if a not in opts.replicate_axes) or 1
+    if opts.zero >= 2:
+        state = fsdp2_memory(psi, n, itemsize=full.itemsize)
+        return Memory(params=int(state.params), grads=int(state.grads), optimizer=int(state.optimizer))
+    if opts.zero != 1 or n == 1:
+        state = zero_memory(psi, n, zero=opts.zero, mixed=mixed, itemsize=full.itemsize)
+        return Memory(params=int(state.params), grads=int(state.grads), optimizer=int(state.optimizer))
+    pieces = zero1_pieces(compiled)
+    state = zero_memory(psi, n, zero=1, mixed=mixed, itemsize=full.itemsize)
+    per = zero_memory(1, 1, zero=1, mixed=mixed, itemsize=full.itemsize).optimizer  # bytes per element
+    whole = sum(math.prod(compiled.local_param_shape(name)) for name, kept in pieces.items() if kept is None)
+    kept = sum(k for k in pieces.values() if k is not None)
+    # a piece holds its share of the moments (and of the fp32 master, if separate); a whole tensor
+    # holds all of them, and always a full-precision master copy of its own
+    return Memory(
+        params=int(state.params),
+        grads=int(state.grads),
+        optimizer=round(per * kept + 3 * full.itemsize * whole),
+    )
+
+
+def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
+    """Under ZeRO-1, the elements of each parameter's largest piece (rank 0's), or None where
+    every rank keeps it whole (`placements.zero1_split`). Empty unless zero=1 over >1 ranks."""
+    opts = compiled.options
+    n = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes)
+    if opts.zero != 1 or n <= 1:
+        return {}
+    out = {}
+    for name in compiled.traced.params:
+        split = zero1_split(compiled.local_param_shape(name), n, compiled.param_layouts[name])
+        out[name] = None if split is None else split[0]
+    return out
+
+
+
+__all__ = [
+    "Compiled", "Options", "RECOMPUTE", "check_recompute", "data_axes", "default_in_spec", "input_layouts",
+    "model_state", "zero1_pieces",
+]  # fmt: skip

@@ -1,0 +1,186 @@
+"""Pass 6, records: the plan's collectives, with the bytes each moves per rank and where it comes from.
+
+Three sources: the collectives `redistribute` inserted, those inside the
+rank-dependent ops (the vocab-parallel loss's all-reduces), and the gradient
+sync over the data-parallel axes that the runtime runs once per step, by ZeRO
+level (`dp_sync_steps`). The plan's notes say which tracer ran, what meshlib
+fixed in the call, which ops run whole on every rank and which draw random
+numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from meshlib import Collective, Plan
+
+from ..torch_private import OpOverload
+from .localize import SpecialSpec
+from .placements import zero1_split
+from .program import Options
+from .propagate import Axes
+from .redistribute import collective_records
+from .shapes import local_shape
+from .source import source_line
+from .trace import Traced
+
+
+def plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts) -> Plan:
+    records = collective_records(comms, axes)
+    records += special_records(specials, axes)
+    collectives = [
+        Collective(
+            r["kind"], r["axes"], r["bytes"], r["node"], r["op"], r["source"], r["reason"], r["phase"],
+            group=r["group"], consumer=r.get("consumer", ""),
+        )
+        for r in records
+    ]  # fmt: skip
+    notes = {"trace": traced.path}
+    for name in traced.call.chosen:
+        notes[f"{name} (set by meshlib)"] = repr(traced.call.constants[name])
+    if traced.reason:
+        notes["trace fallback reason"] = traced.reason
+    if groups:
+        notes["fused projections"] = ", ".join(f"{n} ({k} parts)" for n, (_, k) in sorted(groups.items()))
+    fallback = [node for node, p in plans.items() if p.replicated_fallback]
+    if fallback:
+        notes["ops run whole on every rank (no rule)"] = "\n".join(
+            f"{node.name} ({op_name(node.target)}) at {source_line(node) or 'an unknown line'}" for node in fallback
+        )
+    random = [node for node, p in plans.items() if _is_random(p.view)]
+    if random:
+        notes[RANDOM_NOTE] = (
+            f"{len(random)} ({', '.join(sorted({op_name(n.target) for n in random}))}): every rank seeds torch's "
+            "generator alike, so ranks holding the same values draw the same numbers"
+        )
+    notes["sequence parallel"] = "on" if sp else "off"
+    placements = {n: tuple(repr(p) for p in layouts[n]) for n in specs}
+    return Plan(
+        mesh, specs=specs, collectives=collectives, notes=notes,
+        placements=placements,
+    )  # fmt: skip
+
+
+RANDOM_NOTE = "random ops"
+
+
+_RANDOM = re.compile(r"rand|bernoulli|normal|multinomial|dropout")
+
+
+def _is_random(view) -> bool:
+    """Dropout that drops (p > 0, training), or any op that draws random numbers."""
+    if view.kind == "dropout":
+        return bool(view.p.get("p")) and view.p.get("training") is not False
+    if view.kind == "sdpa":
+        return bool(view.p.get("dropout_p"))
+    return view.node.op == "call_function" and bool(_RANDOM.search(op_name(view.node.target)))
+
+
+def op_name(target) -> str:
+    """`aten.cumsum.default`, `torch.special.erfcx`, `Tensor.foo`: how a node's target reads in a plan."""
+    if isinstance(target, str):
+        return f"Tensor.{target}"
+    if isinstance(target, OpOverload):
+        return str(target)
+    module = getattr(target, "__module__", None) or ""
+    module = {"torch._C._special": "torch.special", "torch._C._nn": "torch.nn.functional"}.get(module, module)
+    return f"{module}.{getattr(target, '__name__', target)}".lstrip(".")
+
+
+def special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:
+    """Collectives inside the rank-dependent ops (loss-parallel cross-entropy)."""
+    out = []
+    sizes = dict(zip(axes.names, axes.sizes))
+    for spec in specials:
+        if spec.kind != "cross_entropy":
+            continue
+        rows = spec.args.get("rows_local", 0)
+        if spec.args["vocab_axis"]:
+            axis = spec.args["vocab_axis"]
+            for what in ("max", "sum-exp and target logit"):
+                n_val = 1 if what == "max" else 2
+                out.append(
+                    dict(
+                        kind="all_reduce", axes=(axis,), bytes=rows * spec.args["itemsize"] * n_val, node=spec.name,
+                        op="cross_entropy", source="", reason=f"loss-parallel {what}", phase="forward",
+                        group=sizes[axis], bus=0,
+                    )
+                )  # fmt: skip
+        for axis in spec.args["rows_axes"]:
+            if spec.args["reduction"] == "mean":
+                out.append(
+                    dict(
+                        kind="all_reduce", axes=(axis,), bytes=8, node=spec.name, op="cross_entropy", source="",
+                        reason="global count of targets", phase="forward", group=sizes[axis], bus=0,
+                    )
+                )  # fmt: skip
+    return out
+
+
+def with_data_parallel(
+    plan: Plan, traced: Traced, layouts, axes: Axes, data: tuple[str, ...], options: Options, synced
+) -> Plan:
+    """The plan's gradient sync over the data axes, and its zero level, precision and recompute."""
+    records = []
+    sizes = dict(zip(axes.names, axes.sizes))
+    shard = tuple(a for a in data if a not in options.replicate_axes)
+    n_shard = math.prod(sizes[a] for a in shard)
+    param_b, reduce_b = (
+        torch.empty((), dtype=getattr(torch, d)).element_size()
+        for d in (options.precision.param, options.precision.reduce)
+    )
+    for name, p in traced.params.items():
+        if name not in synced:
+            continue  # its gradient is already whole (computed on activations gathered over the data axes)
+        local = local_shape(tuple(p.shape), layouts[name], axes.sizes)
+        zero, numel = options.zero, math.prod(local)
+        if zero == 1 and n_shard > 1:
+            split = zero1_split(local, n_shard, layouts[name])
+            if split is None:
+                zero = 0  # kept whole: its gradient is all-reduced
+            else:
+                numel = split[1]  # an uneven split moves its padding too
+        for kind, phase, nbytes, over, count in dp_sync_steps(
+            zero, numel, param_b, reduce_b, shard, options.replicate_axes, n_shard
+        ):
+            group = math.prod(sizes[a] for a in over)
+            if group > 1:
+                records.append(
+                    Collective(
+                        kind, over, nbytes, name, "grad sync", "", f"zero-{options.zero}", phase, count, group, name
+                    )
+                )
+    notes = dict(plan.notes) | {"data-parallel axes": ",".join(data) or "-"}
+    if options.replicate_axes:
+        notes["hsdp replicate axes"] = ",".join(options.replicate_axes)
+    return plan.replace(
+        collectives=plan.collectives + tuple(records), zero=options.zero, precision=options.precision,
+        recompute=options.recompute, notes=tuple(notes.items()),
+    )  # fmt: skip
+
+
+def dp_sync_steps(zero: int, numel: int, param_b: int, reduce_b: int, shard: tuple, replicate: tuple, n_shard: int):
+    """`(kind, phase, bytes, axes, count)` of one parameter's data-parallel traffic per step.
+
+    0: all-reduce the gradient. 1: reduce-scatter it, all-gather the updated
+    shard. 2: all-gather once in forward (kept through backward), reduce-scatter
+    the gradient. 3: all-gather in forward and again in backward. With HSDP the
+    shard's gradient is also all-reduced over the replicate axes.
+    """
+    if zero == 0:
+        return [("all_reduce", "backward", numel * reduce_b, shard + replicate, 1)] if shard + replicate else []
+    steps = [("reduce_scatter", "backward", numel * reduce_b, shard, 1)]
+    gather = numel * param_b
+    steps += {1: [("all_gather", "optimizer", gather, shard, 1)], 2: [("all_gather", "forward", gather, shard, 1)]}.get(
+        zero, [("all_gather", "forward", gather, shard, 1), ("all_gather", "backward", gather, shard, 1)]
+    )
+    if replicate:
+        steps.append(("all_reduce", "backward", numel * reduce_b // max(1, n_shard), replicate, 1))
+    return steps
+
+
+
+__all__ = ["RANDOM_NOTE", "dp_sync_steps", "op_name", "plan_of", "special_records", "with_data_parallel"]

@@ -1,0 +1,62 @@
+"""Pass 1c, values: every node's global value (shape, dtype, requires_grad), and its forward FLOPs.
+
+The normalized graph runs once on meta tensors (or fake ones, for a model with
+real weights: the weights are read as fake copies, so the recorded values
+never hold them), each node under its region's grad and autocast modes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx as fx
+
+from ..torch_private import FakeTensorMode
+from .call import Call
+from .regions import run_node_in_region
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph, noting each node's value and, with a `FlopCounterMode`, its forward FLOPs."""
+
+    def __init__(self, gm: fx.GraphModule, flops=None, fake: FakeTensorMode | None = None):
+        super().__init__(gm)
+        self.flops, self.fake = flops, fake
+
+    def fetch_attr(self, target: str):
+        # a fake copy of a real weight: the values recorded never reach (or keep alive) the weights
+        attr = super().fetch_attr(target)
+        return self.fake.from_tensor(attr) if self.fake is not None and torch.is_tensor(attr) else attr
+
+    def run_node(self, n: fx.Node):
+        before = self.flops.get_total_flops() if self.flops is not None else 0
+        out = run_node_in_region(n, lambda: super(_Recorder, self).run_node(n))
+        n.meta["val"] = out
+        if self.flops is not None:
+            n.meta["flops"] = self.flops.get_total_flops() - before
+        return out
+
+
+def annotate_values(gm: fx.GraphModule, call: Call, *, count_flops: bool = False) -> None:
+    """Run `gm` on meta or fake tensors: every node gets `meta["val"]` (global shapes) and, with
+    `count_flops`, `meta["flops"]` (its forward FLOPs, by torch's FlopCounterMode: the pipeline's
+    stage cost, counted from shapes alone)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    tensors = list(gm.parameters()) + list(gm.buffers())
+    inputs = list(call.tensors.values())
+    counter = FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()
+    if tensors and all(t.is_meta for t in tensors):
+        # meta kernels alone are several times faster than fake tensors (autocast regions: see regions.py)
+        with counter:
+            _Recorder(gm, counter if count_flops else None).run(*(torch.empty_like(x, device="meta") for x in inputs))
+        return
+    device = tensors[0].device if tensors else torch.device("cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, counter:
+        fakes = [mode.from_tensor(torch.empty_like(x, device=device)) for x in inputs]
+        _Recorder(gm, counter if count_flops else None, mode).run(*fakes)
+
+
+
+__all__ = ["annotate_values"]

@@ -1,0 +1,176 @@
+"""Lower a program onto this rank: its parameters' shards, buffers, collectives, and the modules it runs.
+
+A traced program's parameters are DTensors made directly in their shards on the
+device mesh (plain tensors where FSDP2 alone shards them: `zero.plain_parameters`),
+held by one root module under their canonical names with the buffers and the
+bound collectives; each stage this rank runs (the whole graph, without a
+pipeline) is a `GraphModule` on that root. A program cut by module FQN (no
+tracer could follow the model) fills its stages' meta copies of the model with
+whole parameters instead. Either way each value is this rank's part of the
+model's own weight, or of what `init=` draws, and the model's whole copy is
+released as soon as it is taken (`weights`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..compiler.modules import set_attr
+from ..compiler.regions import apply_regions
+from ..compiler.split import split_graph
+from ..torch_private import copy_codegen
+from . import dist as mdist
+from . import weights
+from .dtensor import torch_placements
+from .parallelisms.data import deferred_loss
+from .parallelisms.tensor import bind_collectives
+from .parallelisms.zero import plain_parameters
+
+
+@dataclass
+class Lowered:
+    root: nn.Module  # the parameters (canonical names), buffers and collectives
+    modules: list[nn.Module]  # what this rank runs: one module per local stage (no pipeline: the graph)
+    local_stages: list[int]  # their stage indices
+    device: torch.device
+
+
+def lower(compiled, dm, model: nn.Module, *, init, seed: int) -> Lowered:
+    """This rank's part of `compiled` on device mesh `dm` (call on every rank)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if mdist.device_type() == "cuda" else torch.device("cpu")
+    coords = compiled.mesh.coords(torch.distributed.get_rank())
+    local = _local_stages(compiled, coords)
+    mine = set(compiled.traced.params) if compiled.stages is None else set().union(
+        *(compiled.stages.params[s] for s in local)
+    )  # fmt: skip
+    compute = getattr(torch, compiled.options.precision.param)
+    if compiled.graph is None:
+        return _lower_eager(compiled, model, mine, local, init=init, seed=seed, device=device, compute=compute)
+    plain = plain_parameters(compiled)
+    sizes, at = compiled.axes.sizes, [coords[a] for a in compiled.axes.names]
+
+    def shard(name: str, p: torch.Tensor) -> nn.Parameter:
+        layout = compiled.param_layouts[name]
+        value = weights.local_value(name, p, layout, sizes, at, init=init, seed=seed).to(device)
+        if not plain:
+            value = DTensor.from_local(value, dm, torch_placements(layout), shape=p.shape, stride=_stride(p.shape))
+        return nn.Parameter(value, requires_grad=p.requires_grad)
+
+    root = _take(compiled, model, mine, shard, device, init=init)
+    for name, b in real_buffers(model, compiled).items():
+        set_attr(root, name, b.to(device, dtype=compute if b.is_floating_point() else b.dtype))
+    bind_collectives(root, compiled, {a: mdist.group(dm, a) for a in compiled.mesh.axis_names}, coords)
+    if compiled.stages is not None:
+        graphs = [compiled.stages.graphs[s] for s in local]
+        return Lowered(root, [fx.GraphModule(root, executable(g, device, plain)) for g in graphs], local, device)
+    deferred = deferred_loss(compiled)  # the runtime sums the loss itself, beside backward
+    skip = {deferred[0].name} if deferred is not None else set()
+    gm = fx.GraphModule(root, executable(compiled.graph, device, plain, skip=skip))
+    if compiled.options.zero >= 2 or compiled.options.recompute != "none":  # FSDP2 units, recompute blocks
+        gm = split_graph(gm, {n.name: k for n, k in compiled.parts.items()}, compiled.layers)
+    return Lowered(gm, [gm], local, device)
+
+
+def _local_stages(compiled, coords: dict) -> list[int]:
+    if compiled.stages is None:
+        return [0]
+    pp_rank = coords[compiled.pp_axis]
+    return [s for s, r in enumerate(compiled.schedule.placement) if r == pp_rank]
+
+
+def _take(compiled, model: nn.Module, names: set[str], make, device, *, init) -> nn.Module:
+    """A root holding `make(name, p)` for each parameter in `names`. With the model's own weights every
+    whole copy is released once taken, and every rank's checksums of them compared."""
+    root = nn.Module()
+    held = [model] + ([compiled.traced.gm] if compiled.traced.gm is not None else [])
+    holders = weights.Holders(*held) if init is None else None
+    sums = {}
+    for name, p in list(compiled.traced.params.items()):
+        if init is None:
+            sums[name] = weights.checksum(p)
+        if name in names:
+            set_attr(root, name, make(name, p))
+        if holders is not None:  # the whole copy goes as soon as this rank has its part
+            compiled.traced.params[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+            holders.release(p)
+    weights.agree(sums, device)
+    return root
+
+
+def _lower_eager(compiled, model, names, local, *, init, seed: int, device, compute) -> Lowered:
+    """The stages of a model cut by module FQN: each a meta copy filled with whole parameters (one
+    `nn.Parameter` per name however many local stages hold it) and the model's buffers."""
+
+    def whole(name: str, p: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(weights.full_value(name, p, init=init, seed=seed).to(device), requires_grad=p.requires_grad)
+
+    root = _take(compiled, model, names, whole, device, init=init)
+    real_buffers(model, compiled)  # meta buffers made real (`init_buffers`), as the traced path does
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    params = dict(root.named_parameters())
+    aliases = compiled.traced.aliases
+    modules = [_fill(compiled.stages.modules[s], params, buffers, aliases, device, compute) for s in local]
+    return Lowered(root, modules, local, device)
+
+
+def _fill(stage: nn.Module, params: dict, buffers: dict, aliases: dict, device, compute) -> nn.Module:
+    """Put the real parameters (by canonical FQN) and buffers into a stage's meta copy of the model."""
+    for prefix, mod in stage.named_modules(remove_duplicate=False):
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                path = f"{prefix}.{name}" if prefix else name
+                mod._parameters[name] = params[aliases.get(path, path)]
+        for name, b in list(mod._buffers.items()):
+            path = f"{prefix}.{name}" if prefix else name
+            if b is not None and path in buffers:
+                real = buffers[path]
+                mod._buffers[name] = real.to(device, dtype=compute if real.is_floating_point() else real.dtype)
+    return stage
+
+
+def _stride(shape) -> tuple[int, ...]:
+    return torch.empty(tuple(shape), device="meta").stride()
+
+
+def real_buffers(model: nn.Module, compiled) -> dict[str, torch.Tensor]:
+    """Buffers with values: meta buffers are re-made on CPU and filled by `model.init_buffers()`."""
+    names = set(compiled.buffers)
+    bufs = dict(model.named_buffers())
+    if any(b.is_meta for n, b in bufs.items() if n in names):
+        for _mod_name, mod in model.named_modules():
+            for bname, b in list(mod.named_buffers(recurse=False)):
+                if b.is_meta:
+                    setattr(mod, bname, torch.empty_like(b, device="cpu"))
+        if not hasattr(model, "init_buffers"):
+            raise ValueError("the model's buffers are on the meta device; give it an init_buffers() that fills them")
+        model.init_buffers()
+        bufs = dict(model.named_buffers())
+    return {n: bufs[n] for n in names if n in bufs}
+
+
+def executable(graph: fx.Graph, device: torch.device, plain: bool = False, skip: set[str] = frozenset()) -> fx.Graph:
+    """A copy of a compiled graph to run on `device`: tensors it makes are made there, the ops of
+    grad-mode and autocast regions run under their modes (`regions.apply_regions`), with `plain`
+    parameters are read as they are (no DTensor to unwrap), and the collectives named in `skip`
+    are left to the runtime."""
+    new = fx.Graph()
+    new.output(new.graph_copy(graph, {}))
+    copy_codegen(graph, new)
+    for node in list(new.nodes):
+        if "device" in node.kwargs:
+            node.kwargs = {**node.kwargs, "device": device}
+        if (plain and node.op == "call_method" and node.target == "to_local") or (
+            node.op == "call_module" and node.target in skip
+        ):
+            node.replace_all_uses_with(node.args[0])
+            new.erase_node(node)
+    apply_regions(new)
+    return new
+
+
+__all__ = ["Lowered", "executable", "lower", "real_buffers"]

@@ -1,0 +1,134 @@
+"""Data parallelism: each data-parallel rank's gradient is a partial sum, summed once per step.
+
+The compiled loss is each rank's share of the global mean (its targets over
+the global count), so the summed gradients are the single process's. ZeRO-0
+sums them with `GradSync`: an all-reduce per parameter from a post-accumulate
+hook, overlapping the rest of backward, paused while microbatches accumulate
+(or a pipeline runs) and flushed after. ZeRO-1 sums them in the optimizer,
+ZeRO-2/3 in FSDP2 (`zero.py`).
+
+A model cut by module FQN (no tracer could follow it) computes its own loss
+on each rank's rows: its last stage averages that loss over the data-parallel
+ranks (`MeanOver`), which equals the global mean when every rank's microbatch
+counts the same number of targets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .. import dist as mdist
+from ..comm import COUNTER, CommCounter
+
+
+class GradSync:
+    """Sum every parameter's gradient over the data-parallel group once its last microbatch is in."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], group, axis_name: str, reduce_dtype: torch.dtype,
+                 counter: CommCounter = COUNTER):  # fmt: skip
+        self.group, self.axis, self.reduce_dtype, self.counter = group, axis_name, reduce_dtype, counter
+        self.enabled = True
+        self.params = [p for p in params.values() if p.requires_grad]
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if self.enabled:
+            self._sync(p)
+
+    def flush(self) -> None:
+        """Sum every gradient now (after a pipeline's microbatches, which ran with sync off)."""
+        for p in self.params:
+            self._sync(p)
+
+    def _sync(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        g = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+        buf = g.to(self.reduce_dtype) if g.dtype != self.reduce_dtype else g
+        dist.all_reduce(buf, group=self.group)
+        self.counter.record("backward", "all_reduce", self.axis, buf.numel() * buf.element_size(), "grad sync")
+        if buf is not g:
+            g.copy_(buf)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class MeanOver(torch.autograd.Function):
+    """The mean of each rank's loss over a group; backward hands each rank its 1/n share."""
+
+    @staticmethod
+    def forward(ctx, loss, group, n: int, axis: str):
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        COUNTER.record("forward", "all_reduce", axis, total.numel() * total.element_size(), "loss mean")
+        ctx.n = n
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.n, None, None, None
+
+
+class LossSum:
+    """The loss's sum over a data axis, out of the graph: the step starts it as soon as a microbatch's
+    loss is computed and waits for it after backward, which it runs beside (the plan counts it as the
+    forward all-reduce it is)."""
+
+    def __init__(self, spec, group, axis: str, counter: CommCounter = COUNTER):
+        self.spec, self.group, self.axis, self.counter = spec, group, axis, counter
+
+    def start(self, loss: torch.Tensor):
+        """`(value, work)`: `value` holds the sum once `work.wait()` returns."""
+        value = loss.detach().clone()
+        self.counter.record("forward", "all_reduce", self.axis, value.numel() * value.element_size(), "loss")
+        return value, dist.all_reduce(value, group=self.group, async_op=True)
+
+    def __call__(self, loss: torch.Tensor) -> torch.Tensor:
+        """The sum, now; its gradient goes to `loss` as it is (an all-reduce's backward on a replicated value)."""
+        value, work = self.start(loss)
+        work.wait()
+        return loss + (value - loss).detach()
+
+
+def deferred_loss(compiled):
+    """The collective that sums the graph's scalar loss over one data axis for its output, when there
+    is no pipeline (a pipeline's last stage keeps it): `(spec, axis)`, or None."""
+    if compiled.stages is not None or compiled.graph is None:
+        return None
+    out = next(n for n in compiled.graph.nodes if n.op == "output")
+    for spec in compiled.comms:
+        steps = spec.steps(compiled.axes, "forward")
+        if spec.consumer == out.name and spec.shape == () and len(steps) == 1:
+            kind, axis, _, _ = steps[0]
+            if kind == "all_reduce" and axis in compiled.data_axes:
+                return spec, axis
+    return None
+
+
+def apply_data(par) -> None:
+    """ZeRO-0: a `GradSync` over the parameters whose gradients are partial sums over the data axes;
+    and the eager last stage's loss averaged over them."""
+    compiled = par.compiled
+    data = compiled.data_axes
+    if not data:
+        return
+    deferred = deferred_loss(compiled)
+    if deferred is not None:
+        par.loss_sum = LossSum(deferred[0], mdist.group(par.device_mesh, deferred[1]), deferred[1])
+    group, axis = mdist.group(par.device_mesh, data), "_".join(data)
+    if compiled.options.zero == 0:
+        synced = {n: q for n, q in par.named_model_parameters().items() if n in compiled.synced_params}
+        par.grad_sync = GradSync(synced, group, axis, getattr(torch, compiled.options.precision.reduce))
+    last = len(compiled.stages.modules) - 1 if compiled.graph is None else None
+    if last is not None and last in par.local_stages:
+        size = math.prod(compiled.mesh.axis_size(a) for a in data)
+        cut = par.stage_modules[par.local_stages.index(last)].meshlib_cut
+        cut.finish = lambda loss: MeanOver.apply(loss, group, size, axis)
+
+
+__all__ = ["GradSync", "LossSum", "MeanOver", "apply_data", "deferred_loss"]

@@ -1,0 +1,51 @@
+"""The precision step: parameters in the compute dtype, with their full-precision values kept for masters.
+
+Below ZeRO-2 every parameter becomes a bf16/fp16 copy and the optimizer keeps
+fp32 masters (`MeshAdamW`). Under ZeRO-2/3 FSDP2's mixed-precision policy casts
+what it shards; only what it leaves whole (`zero.unshardable`) is cast here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .parallelisms.zero import unshardable
+
+
+def apply_precision(par) -> None:
+    """Cast to the plan's compute dtype where it is bf16 or fp16; `par.fp32_init` keeps the values."""
+    opts = par.compiled.options
+    compute = getattr(torch, opts.precision.param)
+    if compute not in (torch.bfloat16, torch.float16):
+        return
+    only = None
+    if opts.zero >= 2:
+        left = {id(p) for p in unshardable(par.root)}
+        only = {path for path, p in par.root.named_parameters() if id(p) in left}
+    par.fp32_init = par.canonical(cast_params(par.root, compute, only=only))
+
+
+def cast_params(module: nn.Module, dtype: torch.dtype, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Replace the parameters by `dtype` copies; return their former values by path.
+
+    New Parameter objects, not `p.data = ...`: a DTensor's `.data` assignment
+    relabels its dtype but keeps the old local tensor.
+    """
+    out, new = {}, {}
+    chosen = set()
+    for path, p in module.named_parameters():
+        if only is None or path in only:
+            out[path] = p.data
+            chosen.add(id(p))
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or id(p) not in chosen:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(p.data.to(dtype), requires_grad=p.requires_grad)
+            mod._parameters[name] = new[id(p)]
+    return out
+
+
+__all__ = ["apply_precision", "cast_params"]

@@ -1,0 +1,87 @@
+"""The private parts of torch that meshlib uses, in one place, each with why.
+
+torch has no public API for any of these. A torch release that moves one
+breaks this module, and only this module: everything else imports from here.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as c10d
+import torch.fx as fx
+import torch.utils._pytree as pytree  # noqa: F401  (re-exported: leaf flattening of (args, kwargs))
+from torch._ops import HigherOrderOperator, OpOverload  # noqa: F401  (re-exported: telling op kinds apart)
+
+# A fake tensor has a shape, a dtype and a device but no data: tracing-time values of real models.
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+
+# DTensor's placement for a dim split in groups first (a fused qkv projection's whole heads, a
+# ZeRO-1 master inside a tensor-parallel shard): the public `Shard` cannot say it.
+from torch.distributed.tensor._utils import _get_shard_size_and_offsets as shard_size_and_offsets  # noqa: F401
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (the peak tracker sees every op)
+
+# FSDP2's hooks for custom collectives (meshlib counts the bytes each moves); public since 2.9 in name only.
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - older torch
+    AllGather = ReduceScatter = object
+
+# torch.fx keeps a concrete (fixed) argument as a placeholder guarded by these asserts.
+FX_ASSERTS = {torch._assert, fx._symbolic_trace._assert_is_none}
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (FSDP2's gathers are counted by phase)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def copy_codegen(src: fx.Graph, dst: fx.Graph) -> None:
+    """Give `dst` the code generator of `src` (a graph copy keeps its calling convention)."""
+    dst._codegen = src._codegen
+
+
+def flatten_mesh(dm, axes: tuple[str, ...], backend_override):
+    """The sub-mesh of several axes flattened into one (`DeviceMesh._flatten`: no public way to make a
+    process group over several axes of a mesh with its own timeout)."""
+    return dm[axes]._flatten("_".join(axes), backend_override=backend_override)
+
+
+def world_timeout(device_type: str) -> timedelta:
+    """The timeout the world group was created with."""
+    return c10d.group.WORLD._get_backend(torch.device(device_type)).options._timeout
+
+
+def group_options(backend: str, limit: timedelta):
+    """Options that make a new NCCL or gloo group with timeout `limit` (gloo's options class is private)."""
+    options = c10d.ProcessGroupNCCL.Options() if backend == "nccl" else c10d.ProcessGroupGloo._Options()
+    options._timeout = limit
+    return options
+
+
+def runtime_schedule(stages: list, microbatches: int, actions: dict, **kwargs):
+    """torch's pipeline schedule runtime on our own per-rank action lists (ZB-H1 has no torch class):
+    it adds the sends and receives itself."""
+    from torch.distributed.pipelining import schedules
+
+    sched = schedules._PipelineScheduleRuntime(stages, microbatches, **kwargs)
+    rows = {
+        r: [schedules._Action(a.stage, schedules._ComputationType(a.kind), a.microbatch) for a in row]
+        for r, row in actions.items()
+    }
+    sched._prepare_schedule_with_comms(rows)
+    return sched
+
+
+def make_wrapper_subclass(cls, shape, *, dtype, device):
+    """A tensor subclass instance with no storage of its own (DCP reads the pieces it describes)."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+
+__all__ = [
+    "AllGather", "FX_ASSERTS", "FakeTensorMode", "HigherOrderOperator", "OpOverload", "ReduceScatter", "StridedShard",
+    "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "in_backward", "make_wrapper_subclass",
+    "pytree", "runtime_schedule", "shard_size_and_offsets", "world_timeout",
+]  # fmt: skip
