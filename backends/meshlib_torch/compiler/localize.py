@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .bind import bind, dims_arg
+from .bind import aten, bind, dims_arg
 from .placements import Partial, Pending, Shard
 from .propagate import Axes, NodePlan
 from .shapes import local_shape
@@ -144,7 +144,39 @@ def _ce_args(plan: NodePlan, axes: Axes) -> dict:
         "reduction": reduction,
         "ignore_index": plan.view.p.get("ignore_index", -100),
         "output_partial": tuple(a for a, p in zip(axes.names, plan.out) if isinstance(p, Partial)),
+        "count_from": count_recipe(plan.view.tensors[1]) if reduction == "mean" and rows else None,
     }
+
+
+def count_recipe(target: fx.Node) -> dict | None:
+    """How the loss's targets come from an input, when only views, casts, pads and slices of other dims
+    than the batch's stand between: `{"input": name, "steps": [...]}`. Every rank holds the whole
+    batch, so it counts the targets of every rank itself, with no all-reduce; None otherwise."""
+    steps = []
+    node = target
+    while node.op != "placeholder":
+        if node.op == "call_module" and node.meta.get("comm") is not None:  # moves rows, not their values
+            node = node.args[0]
+            continue
+        view = bind(node)
+        if view.kind == "pad" and len(view.p["pad"]) // 2 < len(view.shape(view.tensors[0])):
+            steps.append(("pad", tuple(view.p["pad"]), view.p.get("value", 0)))
+        elif view.kind == "slice" and view.p.get("_target") is aten.slice.Tensor and view.p.get("dim", 0) % len(
+            view.out_shape
+        ):
+            p = view.p
+            steps.append(("slice", p.get("dim", 0), p.get("start"), p.get("end"), p.get("step", 1)))
+        elif view.kind not in ("view", "linear_unary") or not _integral(node):
+            return None
+        if not view.tensors:
+            return None
+        node = view.tensors[0]
+    return {"input": node.target, "steps": tuple(reversed(steps))}
+
+
+def _integral(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return torch.is_tensor(val) and not val.is_floating_point()
 
 
 def _special(gm: fx.GraphModule, node: fx.Node, specials: list, kind: str, args: dict, inputs: list) -> None:

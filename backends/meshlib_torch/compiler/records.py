@@ -110,7 +110,7 @@ def special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:
                     )
                 )  # fmt: skip
         for axis in spec.args["rows_axes"]:
-            if spec.args["reduction"] == "mean":
+            if spec.args["reduction"] == "mean" and not spec.args.get("count_from"):  # else counted from the batch
                 out.append(
                     dict(
                         kind="all_reduce", axes=(axis,), bytes=8, node=spec.name, op="cross_entropy", source="",

@@ -84,12 +84,15 @@ class CrossEntropy(nn.Module):
         self.vocab_axis, self.rows_axes, self.reduce = vocab_axis, tuple(rows_axes), reduce
         self.start = rank * local_classes if vocab_axis else 0
         self.reduction, self.ignore_index = reduction, ignore_index
+        self.counts: list[torch.Tensor] = []  # the global counts of targets of the next microbatches, if known
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        count, pending = None, []
-        if self.reduction not in ("none", "sum"):  # the global count of targets, summed while the rows compute
+        count, pending, axes = None, [], self.rows_axes
+        if self.reduction not in ("none", "sum") and self.counts:  # counted from the whole batch: no all-reduce
+            count, axes = self.counts.pop(0).to(torch.float64), ()
+        elif self.reduction not in ("none", "sum"):  # the global count of targets, summed while the rows compute
             count = (target != self.ignore_index).sum().to(torch.float64)
-            pending = [self.reduce(count, "sum", axis, wait=False) for axis in self.rows_axes[:1]]
+            pending = [self.reduce(count, "sum", axis, wait=False) for axis in axes[:1]]
         if self.vocab_axis:
             per_row = _VocabParallelCE.apply(
                 logits, target, self.start, self.reduce, self.ignore_index, self.vocab_axis
@@ -101,7 +104,7 @@ class CrossEntropy(nn.Module):
         for handle in pending:
             if handle is not None:
                 handle.wait()
-        for axis in self.rows_axes[1:]:
+        for axis in axes[1:]:
             self.reduce(count, "sum", axis)
         return per_row.sum() / count.to(per_row.dtype)
 
@@ -109,8 +112,11 @@ class CrossEntropy(nn.Module):
 def special_module(spec, coords: dict[str, int], reduce: Reduce = no_reduce) -> nn.Module:
     """The module that runs one rank-dependent op (`localize.SpecialSpec`) on the rank at `coords`."""
     if spec.kind == "vocab_embedding":
-        return VocabEmbedding(**spec.args, rank=coords.get(spec.args["axis"], 0))
-    return CrossEntropy(**spec.args, rank=coords.get(spec.args["vocab_axis"], 0), reduce=reduce)
+        module = VocabEmbedding(**spec.args, rank=coords.get(spec.args["axis"], 0))
+    else:
+        module = CrossEntropy(**spec.args, rank=coords.get(spec.args["vocab_axis"], 0), reduce=reduce)
+    module.spec = spec
+    return module
 
 
 __all__ = ["CrossEntropy", "Reduce", "VocabEmbedding", "no_reduce", "special_module"]

@@ -40,6 +40,7 @@ class Parallel(nn.Module):
         self.pipeline = None  # a `PipelineRun`, with a pipeline axis
         self.grad_sync = None  # a `GradSync` over what the data axes sum
         self.loss_sum = None  # a `LossSum`: the loss's sum over a data axis, run beside backward
+        self.target_counts = []  # `TargetCounts`: losses that count their targets from the whole batch
         self.fsdp_units: list[nn.Module] = []
         self.fp32_init: dict[str, torch.Tensor] = {}  # full-precision values of bf16/fp16 parameters (masters)
         self.track_grad_norm = False  # note `last_grad_norm` before every update (one more collective)
@@ -84,6 +85,8 @@ class Parallel(nn.Module):
         """This rank's parts of a global batch's tensors, in graph-input order (the call is checked first)."""
         call = self.compiled.traced.call
         tensors = call.bind(args, kwargs)
+        for counts in self.target_counts:  # every rank holds the whole batch: count the targets here
+            counts.set(dict(zip(call.tensors, tensors)))
         m = self.compiled.microbatches
         for (name, want), x in zip(call.tensors.items(), tensors):
             want = (want.shape[0] * m, *want.shape[1:]) if want.dim() else ()

@@ -20,8 +20,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from ...compiler.placements import Shard
 from .. import dist as mdist
-from ..comm import COUNTER, CommCounter
+from ..comm import COUNTER, CommCounter, local_slice
 
 
 class GradSync:
@@ -85,7 +86,8 @@ class LossSum:
     def start(self, loss: torch.Tensor):
         """`(value, work)`: `value` holds the sum once `work.wait()` returns."""
         value = loss.detach().clone()
-        self.counter.record("forward", "all_reduce", self.axis, value.numel() * value.element_size(), "loss")
+        where = f"{self.spec.producer}@{self.spec.source}"  # as the graph's own collective would say
+        self.counter.record("forward", "all_reduce", self.axis, value.numel() * value.element_size(), where)
         return value, dist.all_reduce(value, group=self.group, async_op=True)
 
     def __call__(self, loss: torch.Tensor) -> torch.Tensor:
@@ -110,10 +112,63 @@ def deferred_loss(compiled):
     return None
 
 
+class TargetCounts:
+    """A loss's global count of targets per microbatch, counted by every rank from the whole batch it
+    holds (the targets come from an input through views, pads and slices: `localize.count_recipe`), so
+    the loss needs no all-reduce for it."""
+
+    def __init__(self, module, recipe: dict, layout, axes, microbatches: int):
+        self.module, self.recipe, self.layout, self.axes, self.m = module, recipe, layout, axes, microbatches
+
+    def set(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Hand the loss the counts of the microbatches of this global batch, in order."""
+        x = inputs[self.recipe["input"]]
+        ignore = self.module.ignore_index
+        counts = [torch.zeros((), dtype=torch.int64) for _ in range(self.m)]
+        for piece in _every_rank_part(x, self.layout, self.axes):
+            for i, chunk in enumerate(piece.chunk(self.m)):
+                counts[i] += (_apply(self.recipe["steps"], chunk) != ignore).sum()
+        self.module.counts = counts
+
+
+def _every_rank_part(x: torch.Tensor, layout, axes) -> list[torch.Tensor]:
+    """The part of a global input each coordinate of the axes that split it holds."""
+    parts = [x]
+    for p, n in zip(layout, axes.sizes):
+        if isinstance(p, Shard):
+            parts = [local_slice(part, p, c, n) for part in parts for c in range(n)]
+    return parts
+
+
+def _apply(steps, x: torch.Tensor) -> torch.Tensor:
+    for step in steps:
+        if step[0] == "pad":
+            x = torch.nn.functional.pad(x, list(step[1]), value=step[2])
+        else:
+            _, dim, start, end, stride = step
+            x = x[(slice(None),) * dim + (slice(start, end, stride),)]
+    return x
+
+
+def target_counts(par) -> list[TargetCounts]:
+    """One `TargetCounts` per loss of this rank that can count its targets from the batch."""
+    from ...compiler.special import CrossEntropy
+
+    compiled = par.compiled
+    out = []
+    for module in par.root.modules():
+        recipe = module.spec.args.get("count_from") if isinstance(module, CrossEntropy) else None
+        if recipe is not None:
+            layout = compiled.input_layouts[recipe["input"]]
+            out.append(TargetCounts(module, recipe, layout, compiled.axes, compiled.microbatches))
+    return out
+
+
 def apply_data(par) -> None:
     """ZeRO-0: a `GradSync` over the parameters whose gradients are partial sums over the data axes;
     and the eager last stage's loss averaged over them."""
     compiled = par.compiled
+    par.target_counts = target_counts(par)
     data = compiled.data_axes
     if not data:
         return
@@ -131,4 +186,4 @@ def apply_data(par) -> None:
         cut.finish = lambda loss: MeanOver.apply(loss, group, size, axis)
 
 
-__all__ = ["GradSync", "LossSum", "MeanOver", "apply_data", "deferred_loss"]
+__all__ = ["GradSync", "LossSum", "MeanOver", "TargetCounts", "apply_data", "deferred_loss", "target_counts"]
