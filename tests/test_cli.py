@@ -71,3 +71,20 @@ def test_meshlib_plan_pipeline_with_split_points_and_zero(tmp_path):
         capture_output=True, text=True, env=ENV,
     )  # fmt: skip
     assert bad.returncode == 2 and "split points [9] must be 1 distinct layer indices in 1..3" in bad.stderr
+
+
+@pytest.mark.ranks
+def test_main_job_exports_and_starts_from_weights(tmp_path):
+    """`--export` writes the trained model; `--weights` starts another mesh's run from it, and the
+    single-process reference, reading the same file, takes the same steps (fp64, 1e-12)."""
+    out = str(tmp_path / "trained")
+    job = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "meshlib_torch", "run",
+           "--model", "gpt-tiny", "--steps", "2", "--dtype", "float64"]  # fmt: skip
+    first = _run(job + ["--mesh", "dp=2", "--export", out, "--no-reference"])
+    assert f"exported the trained model to {out}" in first
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
+    again = _run(job + ["--mesh", "pp=2", "--microbatches", "2", "--weights", out])
+    diffs = dict(re.findall(r"(loss \(every step\)|parameters after 2 steps) +│? *([0-9.e+-]+)", again))
+    assert len(diffs) == 2 and all(float(v) < 1e-12 for v in diffs.values()), again
+    start = [float(re.search(r"losses: first ([0-9.]+)", text).group(1)) for text in (first, again)]
+    assert start[1] < start[0]  # the second run begins where the first one's training left the model

@@ -16,6 +16,7 @@ import torch
 
 from meshlib import Mesh, bubble_formula, schedule, simulate
 from meshlib_torch import COUNTER, parallelize
+from meshlib_torch import data as mdata
 from meshlib_torch.models import build, config, default_rules
 from meshlib_torch.runtime import dist as mdist
 from meshlib_torch.testing.parity import RunConfig, compare, pipeline_sends, train_parallel, train_reference
@@ -76,6 +77,62 @@ def test_three_d_mesh_dp_tp_pp_on_8_ranks():
 
 def test_pp_with_zero1():
     _check(model="llama-tiny", mesh="pp=2,dp=2", microbatches=2, schedule="gpipe", zero=1)
+
+
+@pytest.mark.parametrize(
+    "zero, sched, model, layers, mesh",
+    [(3, "1f1b", "gpt-tiny", 2, "dp=2,pp=2"), (3, "zbv", "gpt-tiny", 4, "dp=2,pp=2"),
+     (2, "interleaved-1f1b", "llama-tiny", 4, "dp=2,pp=2"), (3, "zb-h1", "llama-tiny", 2, "dp=2,pp=2"),
+     (3, "1f1b", "llama-tiny", 2, "dp=2,pp=2,tp=2")],
+)  # fmt: skip
+def test_pp_with_fsdp_in_every_stage(zero, sched, model, layers, mesh):
+    """ZeRO-2/3: FSDP2 shards each stage's layers over dp (torch's PipelineStage runs its gradient
+    reduction after the last microbatch); the GPT's tied embedding, in the first and the last stage,
+    stays whole and is summed over dp and between the stages. Zero-bubble schedules compute weight
+    gradients after later forwards, so a stage's parameters stay gathered through the step."""
+    key = "n_layer" if model.startswith("gpt") else "n_layers"
+    result = _check(model=model, mesh=mesh, microbatches=4, schedule=sched, zero=zero, batch_size=8,
+                    overrides={key: layers})  # fmt: skip
+    if zero == 3:
+        assert "kept until the step's last backward" in result.plan.note_map["ZeRO-3 in stages"]
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_pp_in_bf16_against_a_bf16_reference(zero):
+    """Stages compute in bf16 and send bf16 activations; the fp32 masters are the optimizer's."""
+    run = RunConfig(model="llama-tiny", mesh="dp=2,pp=2", microbatches=2, schedule="1f1b", zero=zero, batch_size=8,
+                    dtype="float32", precision="bf16", lr=1e-3)  # fmt: skip
+    result = get_pool(4).run(train_parallel, run)[0]
+    compare(train_reference(run), result, run.tolerance)
+
+
+def _peak_step(recompute: str) -> tuple[int, float]:
+    from meshlib_torch import PeakTracker
+
+    run = RunConfig(model="llama-tiny", mesh="pp=2", microbatches=4, schedule="gpipe", recompute=recompute,
+                    batch_size=8, seq_len=32, overrides={"n_layers": 4})  # fmt: skip
+    cfg, mesh = config(run.model, **run.overrides), Mesh.parse(run.mesh)
+    with torch.device("meta"):
+        model = build(cfg, dtype=torch.float64)
+    batch = mdata.batch(0, batch_size=run.batch_size, seq_len=run.seq_len)
+    par = parallelize(model, mesh=mesh, rules=default_rules(cfg, mesh), example_inputs=batch, recompute=recompute,
+                      microbatches=4, schedule="gpipe", init=lambda n: ("normal", 0.02))  # fmt: skip
+    opt = par.optimizer(lr=1e-3)
+    par.train_step(batch, opt)  # the optimizer's state exists from here on
+    with PeakTracker(device="cpu") as tracker:
+        tracker.baseline(list(par.parameters()) + [v for st in opt.state.values() for v in st.values()])
+        loss = par.train_step(mdata.batch(1, batch_size=run.batch_size, seq_len=run.seq_len), opt)
+    return tracker.peak, loss
+
+
+def test_recompute_inside_pipeline_stages():
+    """GPipe keeps every microbatch's activations until its backward: with recompute each layer keeps
+    its input alone, so a stage's peak drops; the losses are the same."""
+    peaks = {mode: get_pool(2).run(_peak_step, mode) for mode in ("none", "block")}
+    for rank in range(2):
+        assert peaks["block"][rank][0] < 0.8 * peaks["none"][rank][0], peaks
+        assert peaks["block"][rank][1] == pytest.approx(peaks["none"][rank][1], rel=1e-12)
+    _check(model="llama-tiny", mesh="pp=2", microbatches=4, schedule="1f1b", recompute="selective")
 
 
 def test_plan_records_stages_boundaries_and_traffic():

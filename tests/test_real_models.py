@@ -24,7 +24,7 @@ import real_models as rm
 import torch
 
 import meshlib as ml
-from meshlib_torch import compile_model
+from meshlib_torch import compile_model, parallelize
 from meshlib_torch.testing.pool import RankError, get_pool
 from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
 
@@ -217,7 +217,6 @@ def test_mixture_of_experts_is_refused_by_name():
 # -- weights -------------------------------------------------------------------------------------
 def _parallelize_twice(kind: str):
     """On every rank: the model's weights checked against init= and the meta device."""
-    from meshlib_torch import parallelize
 
     mesh = ml.Mesh(dp=2)
     rules = rm.rules_nanogpt(mesh)
@@ -244,7 +243,7 @@ def _parallelize_twice(kind: str):
     "kind, message",
     [
         ("init with weights", r"the model has its own weights, and init= would replace them"),
-        ("meta without init", r"the model is on the meta device and has no values, and no init= says how to draw them"),
+        ("meta without init", r"the model is on the meta device and has no values, and neither weights= \(a checkpoint to read\) nor init="),
         ("different weights", r"the ranks were given different weights: h\.0\.attn\.c_attn\.bias, .* differ between ranks"),
     ],
 )
@@ -327,3 +326,68 @@ def test_an_untraceable_model_returning_logits_and_loss_pipelines_by_module_name
     results = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)
     assert results[0].plan.note_map["stage split"] == "by module FQN on the eager model, balanced by flops"
     assert_same(_reference("nanogpt", _trial("nanogpt", mesh, {})), results[0], rtol=1e-12, atol=1e-12)
+
+
+# -- any torch optimizer -------------------------------------------------------------------------
+@pytest.mark.ranks
+@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize(
+    "optimizer, options",
+    [
+        (torch.optim.SGD, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+        (torch.optim.AdamW, {"betas": (0.8, 0.9), "weight_decay": 0.05}),
+    ],
+    ids=["sgd-momentum", "adamw"],
+)
+def test_any_torch_optimizer_on_every_zero_level(optimizer, options, zero):
+    """torch.optim's own classes, as the user builds them, on the nanoGPT-style model (fp64, dp=2 x tp=2):
+    ZeRO-1 shards their state over dp, ZeRO-3 is FSDP2's."""
+    trial = Trial(rm.build_nanogpt, rm.nanogpt_batch, mesh="dp=2,tp=2", rules=rm.rules_nanogpt, loss=1,
+                  options={"zero": zero}, optimizer=optimizer, optimizer_options=options, lr=1e-2)  # fmt: skip
+    assert_same(run_single(trial), get_pool(4).run(run_parallel, trial)[0], rtol=1e-12, atol=1e-12)
+
+
+# Adafactor's first step is grad / sqrt(grad^2 + eps1^2) per element: with torch's default eps1 (the dtype's
+# machine epsilon) an attention key bias, whose gradient is zero up to rounding, steps by +-lr on noise.
+ADAFACTOR = (torch.optim.Adafactor, {"eps": (1e-8, 1e-3)})
+
+
+@pytest.mark.ranks
+def test_adafactor_trains_where_parameters_are_whole():
+    trial = Trial(rm.build_nanogpt, rm.nanogpt_batch, mesh="dp=2", rules=rm.rules_nanogpt, loss=1,
+                  optimizer=ADAFACTOR[0], optimizer_options=ADAFACTOR[1], lr=1e-2)  # fmt: skip
+    assert_same(run_single(trial), get_pool(2).run(run_parallel, trial)[0], rtol=1e-12, atol=1e-12)
+
+
+def _adafactor_on(mesh: str, zero: int) -> None:
+    m = ml.Mesh.parse(mesh)
+    par = parallelize(rm.build_nanogpt(), mesh=m, rules=rm.rules_nanogpt(m), example_inputs=rm.nanogpt_batch(0),
+                      loss=1, zero=zero)  # fmt: skip
+    par.optimizer(ADAFACTOR[0], lr=1e-2, **ADAFACTOR[1])
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("mesh, zero", [("tp=2", 0), ("dp=2", 1), ("dp=2", 3)])
+def test_an_optimizer_that_reads_whole_tensors_is_refused_on_shards(mesh, zero):
+    """Adafactor's row and column means over a shard are not the whole tensor's: `par.optimizer` says so
+    on every rank, before any step."""
+    with pytest.raises(RankError) as err:
+        get_pool(2).run(_adafactor_on, mesh, zero)
+    assert sorted(err.value.failures) == [0, 1]
+    for why in err.value.failures.values():
+        assert "torch.optim.Adafactor cannot step on this plan's shards: it does not update each" in why
+
+
+def halving(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+@pytest.mark.ranks
+def test_a_learning_rate_scheduler_drives_the_mesh_optimizer():
+    """torch's LR schedulers take the optimizer `par.optimizer` returns, as they take any other."""
+    trial = Trial(rm.build_nanogpt, rm.nanogpt_batch, mesh="dp=2", rules=rm.rules_nanogpt, loss=1,
+                  options={"zero": 1}, scheduler=halving, lr=1e-2)  # fmt: skip
+    ref = run_single(trial)
+    assert_same(ref, get_pool(2).run(run_parallel, trial)[0], rtol=1e-12, atol=1e-12)
+    constant = run_single(Trial(rm.build_nanogpt, rm.nanogpt_batch, loss=1, lr=1e-2))
+    assert ref.losses[2] != pytest.approx(constant.losses[2], abs=1e-6)  # the schedule changed the steps

@@ -10,6 +10,8 @@
   write and read the whole training state with DCP, by the model's own names,
   and reshard on load to another mesh or zero level.
 - `PeakTracker` measures peak live tensor bytes (the dry run's reference).
+- `export(par, path, config=...)` writes the model back as Hugging Face safetensors
+  (`parallelize(..., weights=path)` reads them, or a DCP checkpoint, into shards).
 """
 
 from . import cli  # noqa: E402,F401  (the `meshlib` command finds it here)
@@ -18,11 +20,12 @@ from .compiler.program import Compiled
 from .memtrack import PeakTracker
 from .runtime import checkpoint
 from .runtime.comm import COUNTER, CommCounter
-from .runtime.optim import LossScaler, MeshAdamW
+from .runtime.hub import export
+from .runtime.optim import LossScaler, MeshAdamW, MeshOptimizer
 from .runtime.parallel import Parallel
 from .runtime.parallelize import parallelize
 
 __all__ = [
-    "COUNTER", "CommCounter", "Compiled", "LossScaler", "MeshAdamW", "Parallel", "PeakTracker", "checkpoint",
-    "compile_model", "parallelize",
+    "COUNTER", "CommCounter", "Compiled", "LossScaler", "MeshAdamW", "MeshOptimizer", "Parallel", "PeakTracker",
+    "checkpoint", "compile_model", "export", "parallelize",
 ]  # fmt: skip

@@ -57,6 +57,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--lr", type=float, default=3e-3)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
+    run.add_argument(
+        "--weights", default=None, metavar="PATH",
+        help="start from these weights: a .safetensors file, a directory saved by save_pretrained or --export, "
+        "or a DCP checkpoint (each rank reads its own shards)",
+    )  # fmt: skip
+    run.add_argument(
+        "--export", default=None, metavar="PATH",
+        help="after training, write the model there as Hugging Face safetensors (sharded files with the index)",
+    )  # fmt: skip
     return parser
 
 
@@ -184,12 +193,15 @@ def run_main(args) -> None:
         dtype=args.dtype, lr=args.lr, seed=args.seed, sequence_parallel=args.sp, overrides=_overrides(args),
         zero=zero_level(args.zero), precision=args.precision, recompute=args.recompute,
         microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
-        split_points=tuple(_split_points(args) or ()) or None, balance=args.balance,
+        split_points=tuple(_split_points(args) or ()) or None, balance=args.balance, weights=args.weights,
+        export=args.export,
     )  # fmt: skip
     rank0 = int(os.environ["RANK"]) == 0
     result = train_parallel(run, progress=rank0)
     if rank0:
         show(_run_summary(run, result))
+        if args.export:
+            print(f"exported the trained model to {args.export}")
         if not args.no_reference:
             ref = train_reference(run)
             diffs = compare(ref, result, run.torch_dtype, check=False)

@@ -34,10 +34,13 @@ def _storages(obj) -> list:
 
 
 class PeakTracker(TorchDispatchMode):
-    """Track live storage bytes; `baseline(tensors)` counts what already exists."""
+    """Track live storage bytes; `baseline(tensors)` counts what already exists. `device` ("cpu",
+    "cuda") counts only storages there: a rank's real memory, leaving out the meta tensors a model
+    built on the meta device computes with (a dry run counts those on purpose)."""
 
-    def __init__(self):
+    def __init__(self, device: str | None = None):
         super().__init__()
+        self.device = device
         self.live = 0
         self.peak = 0
         self._bytes: dict[int, int] = {}  # id(storage) -> bytes counted for it now
@@ -47,6 +50,8 @@ class PeakTracker(TorchDispatchMode):
     def _add(self, storage) -> None:
         key = id(storage)
         if key in self._bytes or storage.nbytes() == 0:
+            return
+        if self.device is not None and storage.device.type != self.device:
             return
         self._bytes[key] = storage.nbytes()
         self._grow(storage.nbytes())

@@ -23,7 +23,7 @@ from .call import Call
 from .dryrun import dry_peak
 from .localize import fold_scalars, localize
 from .moe import check_not_moe
-from .program import Compiled, Options, data_axes, input_layouts, model_state
+from .program import Compiled, Options, check_zero, data_axes, input_layouts, model_state
 from .propagate import Axes, propagate
 from .records import plan_of, with_data_parallel
 from .redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
@@ -97,6 +97,7 @@ def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, opt
     in_layouts = input_layouts(call.tensors, in_specs, mesh, options.replicate_axes)
     axes = _axes(mesh, sp, tp_axis, seq_dim, call)
     data = data_axes(in_layouts, mesh)
+    check_zero(options.zero, data, mesh)
     bad = [a for a in options.replicate_axes if a not in data]
     if bad:
         raise ValueError(

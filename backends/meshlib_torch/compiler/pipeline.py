@@ -26,6 +26,12 @@ from .split import layer_paths
 from .stages import build_stages
 from .trace import Untraceable
 
+GATHERED = (
+    "each stage's parameters are all-gathered at its first microbatch and kept until the step's last backward "
+    "(one all-gather per step, not one per microbatch, as torchtitan does; zero-bubble schedules need it): "
+    "sharded between steps, gathered within one as under ZeRO-2"
+)
+
 
 def compile_pipeline(
     model: nn.Module, call: Call, /, *, mesh, rules, options: Options, in_specs=None, sequence_parallel: bool = False,
@@ -35,10 +41,6 @@ def compile_pipeline(
     """The program of a mesh with a pipeline axis: `call` is the global batch's (see `compile_model`)."""
     name, v = resolve_schedule(schedule, chunks)
     p = mesh.axis_size(pp_axis)
-    if options.zero >= 2:
-        raise ValueError(
-            "pipeline parallelism composes with zero=0 or 1 here; ZeRO-2/3 (FSDP2) inside stages is not built yet"
-        )
     core = core_schedule(name, p, microbatches, v)  # checks p, m and v before any communication
     micro = call.micro(microbatches)
     layers = layer_paths(model)
@@ -67,6 +69,8 @@ def compile_pipeline(
     stages.costs = costs.of(ranges)
     stages.balance = balance if split_points is None else "user split points"
     compiled.plan = _plan_with_stages(compiled.plan, stages, core, layers, microbatches, pp_axis, split)
+    if options.zero == 3:
+        compiled.plan = compiled.plan.replace(notes=compiled.plan.notes + (("ZeRO-3 in stages", GATHERED),))
     compiled.stages, compiled.schedule, compiled.microbatches, compiled.pp_axis = stages, core, microbatches, pp_axis
     return compiled
 

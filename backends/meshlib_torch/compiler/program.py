@@ -106,6 +106,17 @@ def data_axes(in_layouts: dict[str, Layout], mesh: Mesh) -> tuple[str, ...]:
     )  # fmt: skip
 
 
+def check_zero(zero: int, data: tuple[str, ...], mesh: Mesh) -> None:
+    """ZeRO shards over the data-parallel axes: refuse it on a plan that has none."""
+    if zero >= 1 and not data:
+        axes = ", ".join(f"{a}={mesh.axis_size(a)}" for a in mesh.axis_names)
+        raise ValueError(
+            f"zero={zero} shards the model state over the data-parallel axes, but this plan has none "
+            f"(mesh {axes}; no axis splits the batch of every input). Fix: add a data axis (dp=N), "
+            "or use zero=0"
+        )
+
+
 def input_layouts(tensors: dict[str, torch.Tensor], in_specs, mesh: Mesh, replicate_axes=()) -> dict[str, Layout]:
     """Each input's layout: its spec from `in_specs` (by name, or in order), else the batch split over dp."""
     names = list(tensors)
@@ -174,6 +185,6 @@ def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
 
 
 __all__ = [
-    "Compiled", "Options", "RECOMPUTE", "check_recompute", "data_axes", "default_in_spec", "input_layouts",
-    "model_state", "zero1_pieces",
+    "Compiled", "Options", "RECOMPUTE", "check_recompute", "check_zero", "data_axes", "default_in_spec",
+    "input_layouts", "model_state", "zero1_pieces",
 ]  # fmt: skip

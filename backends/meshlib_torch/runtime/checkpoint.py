@@ -201,7 +201,7 @@ def _plan(path: str, par, opt) -> list[_Slot]:
     for key in ("step", "extra", "rng.cpu"):
         if key not in saved:
             raise ValueError(f"{path} is not a meshlib checkpoint: it has no {key!r} entry")
-    _check_names(path, saved, params)
+    _check_names(path, saved, set(par.compiled.traced.params))  # the whole model's: a pipeline rank holds a part
     stated = _by_param(saved)
     slots = []
     for name, p in params.items():

@@ -40,8 +40,8 @@ class Lowered:
     device: torch.device
 
 
-def lower(compiled, dm, model: nn.Module, *, init, seed: int) -> Lowered:
-    """This rank's part of `compiled` on device mesh `dm` (call on every rank)."""
+def lower(compiled, dm, model: nn.Module, source: weights.Source) -> Lowered:
+    """This rank's part of `compiled` on device mesh `dm`, its weights from `source` (call on every rank)."""
     device = torch.device("cuda", torch.cuda.current_device()) if mdist.device_type() == "cuda" else torch.device("cpu")
     coords = compiled.mesh.coords(torch.distributed.get_rank())
     local = _local_stages(compiled, coords)
@@ -50,30 +50,40 @@ def lower(compiled, dm, model: nn.Module, *, init, seed: int) -> Lowered:
     )  # fmt: skip
     compute = getattr(torch, compiled.options.precision.param)
     if compiled.graph is None:
-        return _lower_eager(compiled, model, mine, local, init=init, seed=seed, device=device, compute=compute)
+        return _lower_eager(compiled, model, mine, local, source, device=device, compute=compute)
     plain = plain_parameters(compiled)
     sizes, at = compiled.axes.sizes, [coords[a] for a in compiled.axes.names]
 
     def shard(name: str, p: torch.Tensor) -> nn.Parameter:
         layout = compiled.param_layouts[name]
-        value = weights.local_value(name, p, layout, sizes, at, init=init, seed=seed).to(device)
+        value = source.shard(name, p, layout, sizes, at).to(device)
         if not plain:
             value = DTensor.from_local(value, dm, torch_placements(layout), shape=p.shape, stride=_stride(p.shape))
         return nn.Parameter(value, requires_grad=p.requires_grad)
 
-    root = _take(compiled, model, mine, shard, device, init=init)
-    for name, b in real_buffers(model, compiled).items():
-        set_attr(root, name, b.to(device, dtype=compute if b.is_floating_point() else b.dtype))
+    root = _take(compiled, model, mine, shard, device, source)
+    buffers = {}
+    for name, b in real_buffers(model, compiled, source).items():
+        buffers[name] = b.to(device, dtype=compute if b.is_floating_point() else b.dtype)
+        set_attr(root, name, buffers[name])
+    source.finish({n: p for n, p in root.named_parameters()}, buffers)
     bind_collectives(root, compiled, {a: mdist.group(dm, a) for a in compiled.mesh.axis_names}, coords)
     if compiled.stages is not None:
         graphs = [compiled.stages.graphs[s] for s in local]
-        return Lowered(root, [fx.GraphModule(root, executable(g, device, plain)) for g in graphs], local, device)
+        modules = [_in_layers(compiled, fx.GraphModule(root, executable(g, device, plain))) for g in graphs]
+        return Lowered(nn.ModuleList(modules), modules, local, device)  # the stages hold the parameters now
     deferred = deferred_loss(compiled)  # the runtime sums the loss itself, beside backward
     skip = {deferred[0].name} if deferred is not None else set()
-    gm = fx.GraphModule(root, executable(compiled.graph, device, plain, skip=skip))
-    if compiled.options.zero >= 2 or compiled.options.recompute != "none":  # FSDP2 units, recompute blocks
-        gm = split_graph(gm, {n.name: k for n, k in compiled.parts.items()}, compiled.layers)
+    gm = _in_layers(compiled, fx.GraphModule(root, executable(compiled.graph, device, plain, skip=skip)))
     return Lowered(gm, [gm], local, device)
+
+
+def _in_layers(compiled, gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` cut into `pre`, `layer_<i>` (those it runs) and `post` where FSDP2 shards by layer or recompute
+    wraps layers; else as it is."""
+    if compiled.options.zero < 2 and compiled.options.recompute == "none":
+        return gm
+    return split_graph(gm, {n.name: k for n, k in compiled.parts.items()}, compiled.layers)
 
 
 def _local_stages(compiled, coords: dict) -> list[int]:
@@ -83,15 +93,15 @@ def _local_stages(compiled, coords: dict) -> list[int]:
     return [s for s, r in enumerate(compiled.schedule.placement) if r == pp_rank]
 
 
-def _take(compiled, model: nn.Module, names: set[str], make, device, *, init) -> nn.Module:
+def _take(compiled, model: nn.Module, names: set[str], make, device, source: weights.Source) -> nn.Module:
     """A root holding `make(name, p)` for each parameter in `names`. With the model's own weights every
     whole copy is released once taken, and every rank's checksums of them compared."""
     root = nn.Module()
     held = [model] + ([compiled.traced.gm] if compiled.traced.gm is not None else [])
-    holders = weights.Holders(*held) if init is None else None
+    holders = weights.Holders(*held) if source.kind == "model" else None
     sums = {}
     for name, p in list(compiled.traced.params.items()):
-        if init is None:
+        if holders is not None:
             sums[name] = weights.checksum(p)
         if name in names:
             set_attr(root, name, make(name, p))
@@ -102,19 +112,23 @@ def _take(compiled, model: nn.Module, names: set[str], make, device, *, init) ->
     return root
 
 
-def _lower_eager(compiled, model, names, local, *, init, seed: int, device, compute) -> Lowered:
+def _lower_eager(compiled, model, names, local, source: weights.Source, *, device, compute) -> Lowered:
     """The stages of a model cut by module FQN: each a meta copy filled with whole parameters (one
     `nn.Parameter` per name however many local stages hold it) and the model's buffers."""
 
     def whole(name: str, p: torch.Tensor) -> nn.Parameter:
-        return nn.Parameter(weights.full_value(name, p, init=init, seed=seed).to(device), requires_grad=p.requires_grad)
+        return nn.Parameter(source.whole(name, p).to(device), requires_grad=p.requires_grad)
 
-    root = _take(compiled, model, names, whole, device, init=init)
-    real_buffers(model, compiled)  # meta buffers made real (`init_buffers`), as the traced path does
+    root = _take(compiled, model, names, whole, device, source)
+    real = real_buffers(model, compiled, source)  # meta buffers made real, as the traced path does
+    source.finish(dict(root.named_parameters()), real)
     buffers = dict(model.named_buffers(remove_duplicate=False))
     params = dict(root.named_parameters())
     aliases = compiled.traced.aliases
     modules = [_fill(compiled.stages.modules[s], params, buffers, aliases, device, compute) for s in local]
+    # the stages hang under the root after its own FQN-named parameters: a cast or an update of the
+    # root's reaches them, and the root's names come first for a parameter both hold
+    root.add_module("pipeline_stages", nn.ModuleList(modules))
     return Lowered(root, modules, local, device)
 
 
@@ -137,20 +151,33 @@ def _stride(shape) -> tuple[int, ...]:
     return torch.empty(tuple(shape), device="meta").stride()
 
 
-def real_buffers(model: nn.Module, compiled) -> dict[str, torch.Tensor]:
-    """Buffers with values: meta buffers are re-made on CPU and filled by `model.init_buffers()`."""
+def real_buffers(model: nn.Module, compiled, source: weights.Source | None = None) -> dict[str, torch.Tensor]:
+    """The buffers the program reads, with values: from the checkpoint where it has them, else the model's
+    own; meta ones are re-made on the CPU and filled by the model's own init code (`init_buffers()`, or
+    `init_weights()` as Hugging Face and torchtitan models have it)."""
     names = set(compiled.buffers)
     bufs = dict(model.named_buffers())
     if any(b.is_meta for n, b in bufs.items() if n in names):
-        for _mod_name, mod in model.named_modules():
+        owners = [mod for mod in model.modules() if any(b.is_meta for b in mod.buffers(recurse=False))]
+        for mod in owners:
             for bname, b in list(mod.named_buffers(recurse=False)):
                 if b.is_meta:
                     setattr(mod, bname, torch.empty_like(b, device="cpu"))
-        if not hasattr(model, "init_buffers"):
-            raise ValueError("the model's buffers are on the meta device; give it an init_buffers() that fills them")
-        model.init_buffers()
+        fill = getattr(model, "init_buffers", None) or getattr(model, "init_weights", None)
+        if fill is None:
+            raise ValueError(
+                "the model's buffers are on the meta device and no checkpoint holds them; give the model an "
+                "init_buffers() (or init_weights()) that fills them, or build it with its buffers"
+            )
+        with torch.no_grad():
+            fill()
         bufs = dict(model.named_buffers())
-    return {n: bufs[n] for n in names if n in bufs}
+    out = {n: bufs[n] for n in names if n in bufs}
+    for n in out:
+        value = source.buffer(n) if source is not None else None
+        if value is not None:
+            out[n] = value
+    return out
 
 
 def executable(graph: fx.Graph, device: torch.device, plain: bool = False, skip: set[str] = frozenset()) -> fx.Graph:
@@ -161,9 +188,9 @@ def executable(graph: fx.Graph, device: torch.device, plain: bool = False, skip:
     new = fx.Graph()
     new.output(new.graph_copy(graph, {}))
     copy_codegen(graph, new)
+    here = lambda a: device if isinstance(a, torch.device) else a  # noqa: E731  (traced on meta, or elsewhere)
     for node in list(new.nodes):
-        if "device" in node.kwargs:
-            node.kwargs = {**node.kwargs, "device": device}
+        node.args, node.kwargs = fx.node.map_aggregate(node.args, here), fx.node.map_aggregate(node.kwargs, here)
         if (plain and node.op == "call_method" and node.target == "to_local") or (
             node.op == "call_module" and node.target in skip
         ):

@@ -1,6 +1,6 @@
 """The optimizer side of data parallelism: ZeRO-1, master weights, loss scaling.
 
-- `MeshAdamW`: AdamW over fp32 master weights when the parameters are bf16 or
+- `MeshOptimizer` (`MeshAdamW` its default AdamW): AdamW over fp32 master weights when the parameters are bf16 or
   fp16; with `zero=1` each data-parallel rank keeps only its shard of the
   masters and moments: the gradient is reduce-scattered into it and the
   updated shard all-gathered back into the parameter. A tensor no dim of
@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -29,17 +30,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-class MeshAdamW:
-    """AdamW over the compiled model's parameters, with optional fp32 masters and ZeRO-1 sharding."""
+class MeshOptimizer(torch.optim.Optimizer):
+    """Any torch.optim optimizer over the compiled model's parameters, with fp32 masters for bf16/fp16
+    parameters and ZeRO-1 sharding of its state.
+
+    The optimizer class (`optimizer`, default AdamW) and its arguments (`options`) are the user's. It
+    updates each parameter's master where there is one (a bf16/fp16 parameter's fp32 copy, or ZeRO-1's
+    shard of it), so its state is sharded exactly as the masters are; the updated master is copied or
+    all-gathered back into the parameter. This is a `torch.optim.Optimizer` whose `param_groups` and
+    `state` are the inner optimizer's, so learning-rate schedulers drive it as they drive any other.
+    """
 
     def __init__(
         self,
         params: dict[str, torch.nn.Parameter],
+        optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
         *,
-        lr: float,
-        betas=(0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
         zero: int = 0,
         master: bool = False,
         dp_group=None,
@@ -50,6 +56,7 @@ class MeshAdamW:
         mesh_axes=None,
         fp32_init: dict | None = None,
         counter: CommCounter = COUNTER,
+        **options,
     ):
         self.params, self.zero, self.counter = params, zero, counter
         fp32_init = fp32_init or {}
@@ -63,7 +70,14 @@ class MeshAdamW:
             elif name in fp32_init or (master and zero < 2):
                 self.master[name] = _fp32_copy(start)  # (under ZeRO-2/3: a parameter FSDP2 leaves whole)
         targets = [self.master.get(n, p) for n, p in params.items()]
-        self.inner = torch.optim.AdamW(targets, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        if "foreach" in inspect.signature(optimizer).parameters:
+            options.setdefault("foreach", False)  # one tensor at a time: DTensor shards of every layout
+        split = [n for n, t in zip(params, targets) if tuple(_local(t).shape) != tuple(t.shape)]
+        if split:
+            check_elementwise(optimizer, options, split)
+        self.inner = optimizer(targets, **options)
+        super().__init__(targets, dict(self.inner.defaults))
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state  # one set: schedulers see it
         self.scaler: LossScaler | None = None
 
     # -- masters ---------------------------------------------------------------------------------
@@ -87,15 +101,17 @@ class MeshAdamW:
         return torch.nn.Parameter(dt)
 
     # -- the step -------------------------------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params.values():
             p.grad = None
         for m in self.master.values():
             m.grad = None
 
     @torch.no_grad()
-    def step(self) -> bool:
+    def step(self, closure=None) -> bool:
         """One update; False when fp16 loss scaling found an overflow and skipped it."""
+        if closure is not None:
+            raise TypeError("MeshOptimizer.step takes no closure: the model's step runs the forward and backward")
         for name, p in self.params.items():
             if p.grad is None:
                 continue
@@ -111,7 +127,7 @@ class MeshAdamW:
                 m.grad = _as_like(m, g)
             else:
                 m.grad = _as_like(m, _local(p.grad).to(m.dtype))
-        grads = [t.grad for t in self.inner.param_groups[0]["params"] if t.grad is not None]
+        grads = [t.grad for g in self.inner.param_groups for t in g["params"] if t.grad is not None]
         if self.scaler is not None and not self.scaler.unscale_and_check(grads):
             return False
         self.inner.step()
@@ -158,6 +174,44 @@ class MeshAdamW:
                 if torch.is_tensor(v) and v.dim() > 0:
                     total += _local(v).numel() * _local(v).element_size()
         return total
+
+
+def check_elementwise(optimizer: type[torch.optim.Optimizer], options: dict, split: list[str]) -> None:
+    """Raise unless `optimizer` updates every element on its own, as it must to step on shards.
+
+    A probe: three steps on a 4 x 6 tensor, and the same steps on its four quadrants as four
+    parameters, must agree. AdamW, SGD and the other per-element rules do; Adafactor (row and column
+    means), LAMB-style trust ratios (norms) and anything else that reads the whole tensor do not, and
+    would step differently on each shard than on the whole. Run before any collective, alike on
+    every rank."""
+    gen = torch.Generator().manual_seed(0)
+    whole = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(4, 6, generator=gen, dtype=torch.float64) for _ in range(3)]
+    quads = [(slice(r, r + 2), slice(c, c + 3)) for r in (0, 2) for c in (0, 3)]
+    one = torch.nn.Parameter(whole.clone())
+    parts = [torch.nn.Parameter(whole[q].clone()) for q in quads]
+    try:
+        opts = [optimizer([one], **options), optimizer(parts, **options)]
+        for g in grads:
+            one.grad = g.clone()
+            for p, q in zip(parts, quads):
+                p.grad = g[q].clone()
+            for opt in opts:
+                opt.step()
+    except Exception as exc:  # noqa: BLE001  (the user's optimizer: any failure is reported as it is)
+        agree = f"its step failed on a probe ({type(exc).__name__}: {exc})"
+    else:
+        rebuilt = torch.cat([torch.cat(parts[:2], 1), torch.cat(parts[2:], 1)], 0)
+        if torch.allclose(rebuilt, one, rtol=1e-9, atol=1e-12):
+            return
+        agree = "it does not update each element on its own (a step on a tensor's pieces differs from a step on it)"
+    names = ", ".join(split[:3]) + (f" and {len(split) - 3} more" if len(split) > 3 else "")
+    raise ValueError(
+        f"{optimizer.__module__}.{optimizer.__qualname__} cannot step on this plan's shards: {agree}, and each rank "
+        f"holds pieces of {len(split)} parameters ({names}: split by the mesh's axes or by ZeRO). Fix: use an "
+        "elementwise optimizer (AdamW, Adam, SGD, RMSprop, ...), or a plan whose parameters are whole on every rank "
+        "(data parallelism with zero=0 and no tensor parallelism)"
+    )
 
 
 def _as_like(master: torch.Tensor, local_grad: torch.Tensor) -> torch.Tensor:
@@ -239,3 +293,10 @@ class LossScaler:
         if self.good_steps % self.growth_interval == 0:
             self.scale *= 2.0
         return True
+
+
+class MeshAdamW(MeshOptimizer):
+    """`MeshOptimizer` with torch's AdamW, the default."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], **kwargs):
+        super().__init__(params, torch.optim.AdamW, **kwargs)

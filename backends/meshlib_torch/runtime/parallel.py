@@ -23,7 +23,7 @@ from ..compiler import placements as pl
 from ..compiler.call import batch_call
 from . import dist as mdist
 from .comm import local_slice
-from .optim import LossScaler, MeshAdamW
+from .optim import LossScaler, MeshOptimizer
 from .parallelisms.zero import set_sync
 
 
@@ -60,8 +60,11 @@ class Parallel(nn.Module):
         """The graph module (without a pipeline), split into `pre`, `layer_<i>`, `post` for FSDP2 or recompute."""
         return self.stage_modules[0]
 
-    def blocks(self) -> list[nn.Module]:
-        return [getattr(self.gm, f"layer_{i}") for i in range(self.compiled.layers)]
+    def blocks(self, module: nn.Module | None = None) -> list[nn.Module]:
+        """The layers `module` (the graph, or a stage) runs, in order, when it is cut into layers."""
+        module = self.gm if module is None else module
+        found = {int(n.removeprefix("layer_")): m for n, m in module.named_children() if n.startswith("layer_")}
+        return [found[i] for i in sorted(found)]
 
     def canonical(self, by_path: dict) -> dict:
         """Re-key a dict by path under the root (`layer_0.layers.0.w`) by the model's FQN (`layers.0.w`)."""
@@ -116,7 +119,7 @@ class Parallel(nn.Module):
         dtype = getattr(torch, self.compiled.plan.precision.output)
         return out.to(dtype) if torch.is_tensor(out) and out.is_floating_point() else out
 
-    def train_step(self, batch, opt: MeshAdamW) -> float:
+    def train_step(self, batch, opt: MeshOptimizer) -> float:
         """Forward and backward over the global `batch`'s microbatches, then one update; the mean loss.
 
         The gradients of all microbatches are summed before they are summed over the data-parallel
@@ -165,17 +168,19 @@ class Parallel(nn.Module):
             set_sync(self.fsdp_units, enabled)
 
     # -- the update ----------------------------------------------------------------------------------
-    def optimizer(self, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> MeshAdamW:
-        """AdamW for this model's zero level and precision (fp32 masters for bf16/fp16 parameters)."""
+    def optimizer(self, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, /, **options) -> MeshOptimizer:
+        """`optimizer` (any torch.optim class, AdamW by default) with `options` (its arguments: `lr=...`),
+        over this rank's parameters, for the zero level and precision: fp32 masters for bf16/fp16
+        parameters, and under ZeRO-1 its state sharded over the data axes."""
         c = self.compiled
         data = c.data_axes
         group = mdist.group(self.device_mesh, data) if data else None
         dp_size = math.prod(c.mesh.axis_size(a) for a in data) if data else 1
         dp_index = c.mesh.axis_coord(dist.get_rank(), data) if data else 0
-        opt = MeshAdamW(
-            self.named_model_parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, zero=self.zero,
-            master=bool(self.fp32_init), dp_group=group, dp_axis="_".join(data) or "dp", dp_index=dp_index,
-            dp_size=dp_size, layouts=c.param_layouts, mesh_axes=c.axes, fp32_init=self.fp32_init,
+        opt = MeshOptimizer(
+            self.named_model_parameters(), optimizer, zero=self.zero, master=bool(self.fp32_init), dp_group=group,
+            dp_axis="_".join(data) or "dp", dp_index=dp_index, dp_size=dp_size, layouts=c.param_layouts,
+            mesh_axes=c.axes, fp32_init=self.fp32_init, **options,
         )  # fmt: skip
         self.fp32_init = {}  # the optimizer owns the masters now
         if c.plan.precision.param == "float16":

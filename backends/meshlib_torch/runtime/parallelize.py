@@ -20,7 +20,7 @@ from meshlib import Mesh, Precision
 
 from ..compiler.compile import compile_model
 from . import dist as mdist
-from . import weights
+from . import weights as weights_mod
 from .lower import lower
 from .parallel import Parallel
 from .parallelisms.data import apply_data
@@ -32,9 +32,10 @@ from .recompute import apply_recompute
 
 def parallelize(
     model: torch.nn.Module, /, *, mesh: Mesh, rules, example_inputs: tuple | dict = (), example_kwargs=None,
-    loss=None, init=None, seed: int = 0, sequence_parallel: bool = False, in_specs=None, zero: int | str = 0,
-    precision: Precision | str | None = None, recompute: str = "none", replicate_axes: tuple[str, ...] = (),
-    offload: bool = False, prefetch: bool = True, microbatches: int = 1, schedule: str = "1f1b",
+    loss=None, weights=None, init=None, seed: int = 0, sequence_parallel: bool = False, in_specs=None,
+    zero: int | str = 0, precision: Precision | str | None = None, recompute: str = "none",
+    replicate_axes: tuple[str, ...] = (), offload: bool = False, prefetch: bool = True, microbatches: int = 1,
+    schedule: str = "1f1b",
     chunks: int | None = None, pp_axis: str = "pp", split_points: list[int] | None = None, balance: str = "flops",
     timeout: float | None = None, allow_data_gather: bool = False, compiled=None,
 ) -> Parallel:  # fmt: skip
@@ -46,13 +47,14 @@ def parallelize(
     parameters trains from them; each rank keeps its shard, the model's whole copy of each
     parameter is released as it is taken (the model is left on the meta device: a rank's peak
     while building is the model plus one parameter's shard), and every rank must be given the
-    same weights, which is checked. A meta model needs `init=` (name -> ("normal", std) |
-    ("zeros", 0) | ("ones", 0)), whose values are the single process's with `seed`; `init=`
-    with real weights is an error. `seed` also seeds torch's generator alike on every rank
+    same weights, which is checked. A meta model takes `weights=` (a safetensors file, a directory
+    saved by `save_pretrained`, or a DCP checkpoint: each rank reads only its shards) or `init=`
+    (name -> ("normal", std) | ("zeros", 0) | ("ones", 0)), whose values are the single process's
+    with `seed`; either with real weights is an error. `seed` also seeds torch's generator alike on every rank
     (dropout draws the same masks on replicas). `offload` keeps FSDP2's shards on the CPU,
     `timeout` (seconds) bounds every collective and send/receive of this model's groups.
     """
-    weights.check_source(model, init)
+    weights_mod.check_source(model, init, weights)
     compiled = compiled or compile_model(
         model, mesh=mesh, rules=rules, example_inputs=example_inputs, example_kwargs=example_kwargs, loss=loss,
         in_specs=in_specs, sequence_parallel=sequence_parallel, zero=zero, precision=precision,
@@ -61,9 +63,10 @@ def parallelize(
         allow_data_gather=allow_data_gather,
     )  # fmt: skip
     _check_runtime(compiled, offload)
+    source = weights_mod.source(model, init=init, seed=seed, weights=weights, compiled=compiled)
     dm = mdist.start(compiled.mesh, timeout=timeout)
     torch.manual_seed(seed)  # ranks holding the same values draw the same dropout masks (as Megatron)
-    par = Parallel(compiled, lower(compiled, dm, model, init=init, seed=seed), dm)
+    par = Parallel(compiled, lower(compiled, dm, model, source), dm)
     apply_precision(par)
     apply_recompute(par)
     apply_data(par)

@@ -2,7 +2,7 @@
 
 Below ZeRO-2 every parameter becomes a bf16/fp16 copy and the optimizer keeps
 fp32 masters (`MeshAdamW`). Under ZeRO-2/3 FSDP2's mixed-precision policy casts
-what it shards; only what it leaves whole (`zero.unshardable`) is cast here.
+what it shards; only what it leaves whole (`zero.left_whole`) is cast here.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .parallelisms.zero import unshardable
+from .parallelisms.zero import left_whole
 
 
 def apply_precision(par) -> None:
@@ -21,7 +21,7 @@ def apply_precision(par) -> None:
         return
     only = None
     if opts.zero >= 2:
-        left = {id(p) for p in unshardable(par.root)}
+        left = left_whole(par)
         only = {path for path, p in par.root.named_parameters() if id(p) in left}
     par.fp32_init = par.canonical(cast_params(par.root, compute, only=only))
 

@@ -7,13 +7,14 @@ from ..compiler.split import Recompute
 
 def apply_recompute(par) -> None:
     """Wrap every layer block in `Recompute` ("block": keep its inputs only; "selective": keep its
-    matmuls' and attention's outputs too). With a pipeline the stages are not cut into blocks: the
-    plan says recompute, the stages keep their activations (not built yet)."""
+    matmuls' and attention's outputs too), in the graph or in each of this rank's stages."""
     mode = par.compiled.options.recompute
-    if mode == "none" or par.compiled.stages is not None:
+    if mode == "none":
         return
-    for i in range(par.compiled.layers):
-        setattr(par.gm, f"layer_{i}", Recompute(getattr(par.gm, f"layer_{i}"), mode))
+    for module in par.stage_modules:
+        for name, block in list(module.named_children()):
+            if name.startswith("layer_"):
+                setattr(module, name, Recompute(block, mode))
 
 
 __all__ = ["apply_recompute"]

@@ -8,50 +8,115 @@ hold the same weights (seed every rank alike, or load the same checkpoint);
 `agree` checks that with one small all-reduce of exact integer checksums and
 raises on every rank, naming the parameters that differ.
 
-A model on the meta device has no values: `init=` draws them (the single
-process's values, see `materialize`). Giving `init=` for a model that has
-weights, or no `init=` for a meta model, is an error.
+A model on the meta device has no values: `weights=` reads them from a
+checkpoint (`hub`), or `init=` draws them (the single process's values, see
+`materialize`). Giving either for a model that has weights, or neither for a
+meta model, is an error.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..compiler.placements import Layout
-from ..compiler.shapes import shard_indices
+from ..compiler.shapes import local_shape, shard_indices
 from .materialize import init_full, init_local
 
 _CHUNK = 1 << 20  # elements checksummed at a time
 
 
-def check_source(model: nn.Module, init) -> str:
-    """"model" (use the model's values) or "init" (draw them); raises on a mixed or contradictory model."""
+def check_source(model: nn.Module, init, weights=None) -> str:
+    """"model" (use the model's values), "init" (draw them) or "file" (read `weights=`); raises on a mixed or
+    contradictory model."""
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     real = [n for n, p in model.named_parameters() if not p.is_meta]
     if meta and real:
         raise ValueError(
             f"the model has parameters on the meta device ({_some(meta)}) and parameters with values "
-            f"({_some(real)}). Fix: build it wholly on the meta device (then pass init=), or wholly with its weights"
+            f"({_some(real)}). Fix: build it wholly on the meta device (then pass init= or weights=), or wholly "
+            "with its weights"
         )
-    if real and init is not None:
+    if init is not None and weights is not None:
+        raise ValueError("init= draws the weights and weights= reads them: give one of the two")
+    if real and (init is not None or weights is not None):
         raise ValueError(
-            "the model has its own weights, and init= would replace them. Fix: drop init= to train from the "
-            "model's weights, or build the model on the meta device (`with torch.device('meta'):`) to draw them "
-            "from init="
+            f"the model has its own weights, and {'init=' if init is not None else 'weights='} would replace them. "
+            "Fix: drop it to train from the model's weights, or build the model on the meta device "
+            "(`with torch.device('meta'):`) to take them from there"
         )
-    if meta and init is None:
+    if meta and init is None and weights is None:
         raise ValueError(
-            "the model is on the meta device and has no values, and no init= says how to draw them. Fix: pass "
+            "the model is on the meta device and has no values, and neither weights= (a checkpoint to read) nor "
+            "init= (how to draw them) says where they come from. Fix: pass weights='path/to/checkpoint', or "
             "init=lambda name: ('normal', 0.02) (or ('zeros', 0) / ('ones', 0) per parameter), or build the model "
             "with its weights (on the CPU) so that parallelize takes them"
         )
-    return "init" if meta else "model"
+    return "file" if weights is not None else "init" if meta else "model"
 
 
 def _some(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+@dataclass
+class Source:
+    """Where the weights come from: the model ("model"), `init=` ("init") or a checkpoint ("file": `hub`)."""
+
+    kind: str
+    init: Callable | None = None
+    seed: int = 0
+    files: object = None  # a `hub.SafetensorsWeights` or `hub.DCPWeights`
+    keys: dict = field(default_factory=dict)  # parameter -> key in `files`
+    buffer_keys: dict = field(default_factory=dict)  # buffer -> key in `files`
+
+    def shard(self, name: str, p: torch.Tensor, layout: Layout, sizes, coords) -> torch.Tensor:
+        """This rank's shard of parameter `name` (a DCP checkpoint's: empty, filled by `finish`)."""
+        if self.kind == "file":
+            if self.files.kind == "dcp":
+                return torch.empty(local_shape(tuple(p.shape), layout, sizes), dtype=p.dtype)
+            index = shard_indices(tuple(p.shape), layout, sizes, coords)
+            return self.files.read(self.keys[name], index, p.dtype)
+        return local_value(name, p, layout, sizes, coords, init=self.init, seed=self.seed)
+
+    def whole(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """The whole parameter (a DCP checkpoint's: empty, filled by `finish`)."""
+        if self.kind == "file":
+            if self.files.kind == "dcp":
+                return torch.empty(tuple(p.shape), dtype=p.dtype)
+            return self.files.read(self.keys[name], [torch.arange(n) for n in p.shape], p.dtype)
+        return full_value(name, p, init=self.init, seed=self.seed)
+
+    def finish(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+        """Read a DCP checkpoint into this rank's parameters and buffers (one collective); else nothing."""
+        if self.kind == "file" and self.files.kind == "dcp":
+            tensors = {self.keys[n]: p for n, p in params.items()}
+            tensors |= {self.buffer_keys[n]: b for n, b in buffers.items() if n in self.buffer_keys}
+            with torch.no_grad():
+                self.files.load(tensors)
+
+    def buffer(self, name: str) -> torch.Tensor | None:
+        """A buffer's value from a safetensors checkpoint, if it has one (DCP's: `finish`)."""
+        if self.kind == "file" and self.files.kind != "dcp" and name in self.buffer_keys:
+            return self.files.whole(self.buffer_keys[name])
+        return None
+
+
+def source(model: nn.Module, *, init=None, seed: int = 0, weights=None, compiled=None) -> Source:
+    """The weights' `Source`, every check done (a checkpoint's names and shapes against the model's)."""
+    kind = check_source(model, init, weights)
+    if kind != "file":
+        return Source(kind, init, seed)
+    from .hub import match, open_weights
+
+    files = open_weights(weights)
+    traced = compiled.traced
+    keys, buffer_keys = match(files, model, traced.params, compiled.buffers, traced.aliases)
+    return Source(kind, files=files, keys=keys, buffer_keys=buffer_keys)
 
 
 def take_shard(value: torch.Tensor, layout: Layout, sizes, coords) -> torch.Tensor:
@@ -128,4 +193,6 @@ class Holders:
             sub._parameters[key] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
 
 
-__all__ = ["Holders", "agree", "check_source", "checksum", "full_value", "local_value", "take_shard"]
+__all__ = [
+    "Holders", "Source", "agree", "check_source", "checksum", "full_value", "local_value", "source", "take_shard",
+]  # fmt: skip

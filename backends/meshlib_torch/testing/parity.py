@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from meshlib import Mesh, Precision
 
 from .. import data, models
+from ..runtime.hub import export, load_into
 from ..runtime.materialize import init_full
 from ..runtime.optim import LossScaler
 from ..runtime.parallelize import parallelize
@@ -54,6 +55,8 @@ class RunConfig:
     split_points: tuple[int, ...] | None = None  # layers where pipeline stages begin (default: by `balance`)
     balance: str = "flops"  # pipeline stage cost: "flops" or "params"
     model_class: type | None = None  # built instead of the bundled model's class (same config), e.g. a test's variant
+    weights: str | None = None  # a checkpoint to start from (safetensors or DCP), instead of the model's init
+    export: str | None = None  # after training, write the model there as Hugging Face safetensors
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -105,7 +108,13 @@ def train_reference(run: RunConfig) -> RunResult:
     compute = run.compute_dtype
     model = _build(run, cfg, device="cpu", dtype=compute)
     init = _init(cfg, run)
-    masters = {n: init_full(n, tuple(p.shape), run.torch_dtype, init, run.seed) for n, p in model.named_parameters()}
+    if run.weights:
+        start = _build(run, cfg, device="cpu", dtype=run.torch_dtype)
+        load_into(start, run.weights)
+        masters = {n: p.detach().clone() for n, p in start.named_parameters()}
+    else:
+        draw = lambda n, p: init_full(n, tuple(p.shape), run.torch_dtype, init, run.seed)  # noqa: E731
+        masters = {n: draw(n, p) for n, p in model.named_parameters()}
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(masters[name])
@@ -150,8 +159,9 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
     mesh = Mesh.parse(run.mesh)
     meta = _build(run, cfg, device="meta", dtype=run.torch_dtype)
     par = parallelize(
-        meta, mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=_batch(run, 0), init=_init(cfg, run),
-        seed=run.seed, sequence_parallel=run.sequence_parallel, zero=run.zero,
+        meta, mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=_batch(run, 0),
+        init=None if run.weights else _init(cfg, run), weights=run.weights, seed=run.seed,
+        sequence_parallel=run.sequence_parallel, zero=run.zero,
         precision=Precision.parse(run.precision) if run.precision else None, recompute=run.recompute,
         replicate_axes=run.replicate_axes, offload=run.offload, microbatches=run.microbatches, schedule=run.schedule,
         chunks=run.chunks, balance=run.balance, split_points=list(run.split_points) if run.split_points else None,
@@ -167,6 +177,8 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
             norms.append(par.last_grad_norm)
             comm = COUNTER.snapshot()
             bar.step(step, losses[-1], norms[-1])
+    if run.export:
+        export(par, run.export)
     mine = {n: _full(p) for n, p in par.named_model_parameters().items()}
     if opt.master:  # the fp32 masters are the parameters' true values
         mine.update({n: _full(m) for n, m in opt.master.items() if n in mine})

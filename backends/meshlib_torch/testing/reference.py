@@ -36,6 +36,15 @@ class Trial:
     lr: float = 1e-3
     loss: int | str | None = None
     options: dict = field(default_factory=dict)  # more parallelize arguments (zero, microbatches, ...)
+    optimizer: type = torch.optim.AdamW  # any torch.optim class, built with `optimizer_options` and lr
+    optimizer_options: dict | None = None  # None: AdamW's betas, eps and weight decay below
+    scheduler: Callable | None = None  # module-level: optimizer -> a torch LR scheduler, stepped after each step
+
+    def make_optimizer(self, build):
+        options = self.optimizer_options
+        if options is None:
+            options = dict(betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        return build(self.optimizer, lr=self.lr, **options)
 
 
 @dataclass
@@ -51,9 +60,8 @@ def run_single(trial: Trial) -> Trace:
     """The unmodified model in one process: torch.optim.AdamW with `parallelize`'s optimizer settings."""
     model = trial.build()
     params = dict(model.named_parameters())
-    opt = torch.optim.AdamW(
-        params.values(), lr=trial.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False
-    )
+    opt = trial.make_optimizer(lambda cls, **kw: cls(params.values(), foreach=False, **kw))
+    sched = trial.scheduler(opt) if trial.scheduler else None
     losses, grads = [], {}
     for step in range(trial.steps):
         args, kwargs = batch_call(trial.batch(step))
@@ -64,6 +72,8 @@ def run_single(trial: Trial) -> Trace:
             grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
     return Trace(losses, grads, {n: p.detach().clone() for n, p in params.items()})
 
 
@@ -79,8 +89,16 @@ class _Recording:
 
     def step(self):
         if self.grads is None:
-            self.grads = {n: _whole(p.grad) for n, p in self.params().items() if p.grad is not None}
+            self.grads = {n: _whole(self._summed(p.grad)) for n, p in self.params().items() if p.grad is not None}
         return self.opt.step()
+
+    def _summed(self, grad: torch.Tensor) -> torch.Tensor:
+        """ZeRO-1 sums the gradients over the data axes inside its step: sum a copy here."""
+        if self.opt.zero != 1 or self.opt.dp_group is None:
+            return grad
+        local = grad._local_tensor.clone()
+        torch.distributed.all_reduce(local, group=self.opt.dp_group)
+        return DTensor.from_local(local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride())
 
 
 def run_parallel(trial: Trial) -> Trace:
@@ -92,13 +110,15 @@ def run_parallel(trial: Trial) -> Trace:
     model = trial.build()
     rules = trial.rules(mesh) if trial.rules is not None else pattern_rules({}, default=P())
     par = parallelize(model, mesh=mesh, rules=rules, example_inputs=trial.batch(0), loss=trial.loss, **trial.options)
-    opt = _Recording(par.optimizer(lr=trial.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
-                     par.named_model_parameters)  # fmt: skip
+    opt = _Recording(trial.make_optimizer(par.optimizer), par.named_model_parameters)
+    sched = trial.scheduler(opt.opt) if trial.scheduler else None
     losses, comm = [], None
     for step in range(trial.steps):
         COUNTER.reset()
         losses.append(float(par.train_step(trial.batch(step), opt)))
         comm = COUNTER.snapshot()
+        if sched is not None:
+            sched.step()
     mine = {n: _whole(p) for n, p in par.named_model_parameters().items()}
     if getattr(opt.opt, "master", None):  # fp32 masters are the parameters' true values
         mine.update({n: _whole(m) for n, m in opt.opt.master.items() if n in mine})

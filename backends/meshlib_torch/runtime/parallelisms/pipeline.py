@@ -172,8 +172,12 @@ def make_schedule(stages: list[PipelineStage], core, microbatches: int, loss_fn=
 
 def _example(compiled, names: list[str], device, layouts: dict | None = None) -> tuple:
     """Tensors shaped like these values for one microbatch on this rank (`output`: the loss).
-    `layouts`: those of values the compiler's plans do not cover (collectives moved to a boundary)."""
+    `layouts`: those of values the compiler's plans do not cover (collectives moved to a boundary).
+    Under bf16/fp16 compute a value traced in the parameters' dtype crosses in the compute dtype (a
+    value the model casts to another dtype keeps it; torch checks each send against these)."""
     by_name = {n.name: n for n in compiled.graph.nodes}
+    compute = getattr(torch, compiled.options.precision.param)
+    traced = {p.dtype for p in compiled.traced.params.values()}
     out = []
     for name in names:
         if name == "output":
@@ -183,7 +187,8 @@ def _example(compiled, names: list[str], device, layouts: dict | None = None) ->
         val = node.meta["val"]
         layout = value_layout(node, compiled.plans, compiled.input_layouts, layouts)
         shape = local_shape(tuple(val.shape), layout, compiled.axes.sizes) if layout is not None else tuple(val.shape)
-        out.append(torch.zeros(shape, dtype=val.dtype, device=device, requires_grad=bool(val.requires_grad)))
+        dtype = compute if val.dtype in traced and val.is_floating_point() else val.dtype
+        out.append(torch.zeros(shape, dtype=dtype, device=device, requires_grad=bool(val.requires_grad)))
     return tuple(out)
 
 

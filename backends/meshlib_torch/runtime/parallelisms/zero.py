@@ -61,22 +61,43 @@ class CountedReduceScatter(_Alloc, ReduceScatter):
 
 
 def apply_zero(par, *, offload: bool, prefetch: bool) -> None:
-    """ZeRO-2/3: FSDP2 on each block and the root; a parameter FSDP2 cannot shard (`unshardable`) has its
-    gradient summed by a `GradSync` instead."""
+    """ZeRO-2/3: FSDP2 on each block and the root (with a pipeline: of each of this rank's stages); a
+    parameter FSDP2 leaves whole (`left_whole`) has its gradient summed by a `GradSync` instead."""
     compiled = par.compiled
     opts, data = compiled.options, compiled.data_axes
     if opts.zero < 2:
         return
     reduce = getattr(torch, opts.precision.reduce)
-    left = {id(p) for p in unshardable(par.gm)}  # before fully_shard replaces the parameters
-    par.fsdp_units = apply_fsdp(
-        par.gm, par.blocks(), par.device_mesh, zero=opts.zero, plain=plain_parameters(compiled),
+    left = left_whole(par)  # before fully_shard replaces the parameters
+    kinds = dict(
+        zero=opts.zero, plain=plain_parameters(compiled),
         shard_axes=tuple(a for a in data if a not in opts.replicate_axes), replicate_axes=opts.replicate_axes,
         param_dtype=getattr(torch, opts.precision.param), reduce_dtype=reduce, offload=offload, prefetch=prefetch,
     )  # fmt: skip
+    for module in par.stage_modules:
+        ignored = [p for p in module.parameters() if id(p) in left]
+        par.fsdp_units += apply_fsdp(
+            module, par.blocks(module), par.device_mesh, ignored=ignored, keep_gathered=compiled.stages is not None,
+            **kinds,
+        )  # fmt: skip
     whole = {n: p for n, p in par.named_model_parameters().items() if id(p) in left}
     if whole:
         par.grad_sync = GradSync(whole, mdist.group(par.device_mesh, data), "_".join(data), reduce)
+
+
+def left_whole(par) -> set[int]:
+    """The ids of the parameters FSDP2 leaves whole: those it cannot shard (`unshardable`), and those
+    two pipeline stages share (a tied embedding and head): each stage module would shard its own."""
+    out = {id(p) for p in unshardable(par.root)}
+    stages = par.compiled.stages
+    if stages is not None and stages.params:
+        count: dict[str, int] = {}
+        for names in stages.params:
+            for name in names:
+                count[name] = count.get(name, 0) + 1
+        shared = {n for n, k in count.items() if k > 1}
+        out |= {id(p) for n, p in par.named_model_parameters().items() if n in shared}
+    return out
 
 
 def plain_parameters(compiled) -> bool:
@@ -99,10 +120,14 @@ def apply_fsdp(
     output_dtype: torch.dtype | None = None,
     offload: bool = False,
     prefetch: bool = True,
+    ignored: list[nn.Parameter] = (),
+    keep_gathered: bool = False,
     counter: CommCounter = COUNTER,
 ) -> list[nn.Module]:
     """Shard `layers` and then `top` (the root); returns the FSDP units, layers first. `plain`: the
-    parameters are plain tensors and the mesh is the data axis alone."""
+    parameters are plain tensors and the mesh is the data axis alone. `ignored` stay whole.
+    `keep_gathered`: ZeRO-3 keeps what it gathered until backward ends (pipeline stages, see
+    `compiler.pipeline.GATHERED`)."""
     if DataParallelMeshDims is None and not plain:
         raise RuntimeError("ZeRO-2/3 on a model that is also tensor-parallel needs torch>=2.13 (DataParallelMeshDims)")
     dims = None if plain else DataParallelMeshDims(
@@ -116,10 +141,10 @@ def apply_fsdp(
             "(per-parameter shard placements need a pure sharding mesh). Fix: drop replicate_axes, or unfuse"
         )
     kwargs = dict(
-        ignored_params=set(unshardable(top)) or None,
+        ignored_params=set(unshardable(top)) | set(ignored) or None,
         shard_placement_fn=_shard_placement if strided else None,
         mesh=device_mesh,
-        reshard_after_forward=zero == 3,
+        reshard_after_forward=zero == 3 and not keep_gathered,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype),
         offload_policy=CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy(),
         **({} if plain else {"dp_mesh_dims": dims}),
@@ -167,4 +192,4 @@ def set_sync(units: list[nn.Module], enabled: bool) -> None:
         unit.set_requires_gradient_sync(enabled, recurse=False)
 
 
-__all__ = ["apply_fsdp", "apply_zero", "plain_parameters", "set_sync", "unshardable"]
+__all__ = ["apply_fsdp", "apply_zero", "left_whole", "plain_parameters", "set_sync", "unshardable"]
