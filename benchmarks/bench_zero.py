@@ -11,8 +11,8 @@ Prints four markdown tables:
     the others (n-1)/n), without the loss's own forward all-reduces; beside
     the closed form `dp_comm_bytes` and the plan's own records.
 (b) model state per rank for `llama-1b` on an abstract `Mesh(dp=8)` in bf16
-    (no processes): the plan's params/grads/optimizer against DESIGN.md's
-    formulas (`zero_memory`) and FSDP2's storage (`fsdp2_memory`), then the
+    (no processes): the plan's params/grads/optimizer against the closed
+    forms (`zero_memory`) and FSDP2's storage (`fsdp2_memory`), then the
     dry run's peak per level, with and without block recompute.
 (c) the dry run's peak estimate against the peak measured on the ranks over
     one forward + backward (max over ranks) for `llama-tiny` on
@@ -130,7 +130,7 @@ def table_memory(model: str, n: int, batch: int, seq: int) -> tuple[str, str]:
         m = plain.plan.memory
         ours = (m.params, m.grads, m.optimizer, m.params + m.grads + m.optimizer)
         design = zero_memory(psi, n, zero=zero)
-        refs = [("DESIGN.md (DeepSpeed)", design)] + ([("FSDP2 storage", fsdp2_memory(psi, n))] if zero >= 2 else [])
+        refs = [("closed form (DeepSpeed)", design)] + ([("FSDP2 storage", fsdp2_memory(psi, n))] if zero >= 2 else [])
         state_rows.append((zero, "**meshlib plan**", *_gib(*ours), f"{ours[3] / psi:.2f}"))
         for name, ref in refs:
             same = "= plan" if (ref.params, ref.grads, ref.optimizer) == ours[:3] else "differs"

@@ -1,7 +1,8 @@
 """Closed-form costs: model-state memory per rank under ZeRO, and communication volumes.
 
-These are the analytical limits the benchmarks and tests compare against
-(DESIGN.md). Ψ is the parameter count, N the data-parallel degree.
+These are the analytical limits the benchmarks and tests compare against (the
+ZeRO paper's model-state figures, Megatron-LM's communication volumes). Ψ is the
+parameter count, N the data-parallel degree.
 
 - Mixed-precision Adam keeps 16Ψ bytes of model state: 2Ψ of bf16/fp16
   parameters, 2Ψ of gradients, and 12Ψ of fp32 optimizer state (a 4-byte master
@@ -65,8 +66,8 @@ class ModelState:
 
 
 def zero_memory(psi: float, n: int, *, zero: int | str, mixed: bool = True, itemsize: int = 4) -> ModelState:
-    """Model-state bytes per rank for `psi` parameters over `n` data-parallel ranks (DESIGN.md's
-    formulas; `itemsize` is the full-precision dtype's, 4 for fp32 and 8 for fp64)."""
+    """Model-state bytes per rank for `psi` parameters over `n` data-parallel ranks (the ZeRO
+    paper's formulas; `itemsize` is the full-precision dtype's, 4 for fp32 and 8 for fp64)."""
     level = zero_level(zero)
     if n < 1:
         raise ValueError(f"data-parallel degree {n} must be at least 1")
@@ -98,7 +99,7 @@ def fsdp2_memory(psi: float, n: int, *, itemsize: int = 4) -> ModelState:
     for fp32. The bf16 copies it computes with exist only during the step:
     one block at a time under ZeRO-3, all of them from forward to backward
     under ZeRO-2 (reshard_after_forward=False). So at rest the total is
-    DESIGN.md's ZeRO-3 figure, 16Ψ/N, for both levels; DeepSpeed's ZeRO-2
+    the ZeRO paper's ZeRO-3 figure, 16Ψ/N, for both levels; DeepSpeed's ZeRO-2
     figure (2Ψ + 14Ψ/N) counts the bf16 copies as always resident.
     """
     return ModelState(itemsize * psi / n, itemsize * psi / n, 2 * itemsize * psi / n)

@@ -262,5 +262,10 @@ class Mesh:
             name, sep, size = part.partition("=")
             if not sep or not size.strip().lstrip("-").isdigit():
                 raise ValueError(f"mesh {text!r}: {part!r} is not axis=size, as in 'dp=2,tp=4'")
+            if name.strip() in axes:
+                raise ValueError(
+                    f"mesh {text!r}: axis {name.strip()!r} is given twice. Fix: name each axis once, e.g. "
+                    f"'{name.strip()}={int(size) * axes[name.strip()]}' for one axis of both sizes"
+                )
             axes[name.strip()] = int(size)
         return cls(**axes)

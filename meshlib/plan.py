@@ -45,6 +45,7 @@ class Collective:
     count: int = 1  # occurrences per step (microbatches, layers folded together)
     group: int = 1  # ranks in the collective
     consumer: str = ""  # the graph node that needed the new layout
+    pp_rank: int = -1  # with a pipeline, the pp coordinate of the ranks that run it (-1: every rank)
 
     def __post_init__(self):
         if self.kind not in COLLECTIVE_KINDS:
@@ -173,6 +174,9 @@ class Plan:
     # ("h.0.attn.c_attn.weight", ("R", "S(0/3)")): "S(d/g)" splits dim d in g groups
     # first (a fused projection), which a P cannot say
     placements: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    pp_axis: str = ""  # the pipeline's mesh axis ("" without a pipeline)
+    # with a pipeline, the memory of the ranks at each pp coordinate (`memory` is the most loaded's)
+    stage_memory: tuple[Memory, ...] = ()
 
     def __post_init__(self):
         _set = object.__setattr__
@@ -200,11 +204,34 @@ class Plan:
     def replace(self, **changes) -> Plan:
         return dataclasses.replace(self, **changes)
 
-    def comm_bytes(self, *, kind: str | None = None, axes: tuple[str, ...] | None = None, bus: bool = False) -> float:
-        """Bytes per rank per step (payload, or ring bus bytes), optionally for one kind or axis group."""
+    @property
+    def pp_ranks(self) -> tuple[int, ...]:
+        """The pp coordinates that run stages (`(0,)` without a pipeline)."""
+        return tuple(sorted({s.rank for s in self.stages})) or (0,)
+
+    def rank_collectives(self, pp_rank: int | None = None) -> list[Collective]:
+        """The collectives a rank at pp coordinate `pp_rank` runs in a step (every one without a pipeline)."""
+        if pp_rank is None or not self.stages:
+            return list(self.collectives)
+        return [c for c in self.collectives if c.pp_rank in (-1, pp_rank)]
+
+    def rank_memory(self, pp_rank: int | None = None) -> Memory | None:
+        """The memory of a rank at pp coordinate `pp_rank`; without one, the most loaded rank's."""
+        if pp_rank is None or not self.stage_memory:
+            return self.memory
+        return self.stage_memory[pp_rank]
+
+    def comm_bytes(
+        self, *, kind: str | None = None, axes: tuple[str, ...] | None = None, bus: bool = False,
+        pp_rank: int | None = None,
+    ) -> float:  # fmt: skip
+        """Bytes per rank per step (payload, or ring bus bytes), optionally for one kind or axis group.
+        With a pipeline: of the ranks at `pp_rank`, or by default of the pp coordinate that moves most."""
+        if pp_rank is None and self.stages:
+            return max(self.comm_bytes(kind=kind, axes=axes, bus=bus, pp_rank=r) for r in self.pp_ranks)
         return sum(
             c.bus_bytes if bus else c.total_bytes
-            for c in self.collectives
+            for c in self.rank_collectives(pp_rank)
             if (kind is None or c.kind == kind) and (axes is None or c.axes == tuple(axes))
         )
 
@@ -234,17 +261,19 @@ class Plan:
         out = [Table("plan", ("setting", "value"), settings)]
         out.append(Table("layouts", ("tensor", "spec"), [(p, repr(s)) for p, s in self.specs]))
         if self.collectives:
+            staged = bool(self.stages)
             rows = [
                 (c.phase, c.kind, ",".join(c.axes), human_bytes(c.bytes), c.count, c.node, c.op, c.source, c.reason)
+                + (("all" if c.pp_rank < 0 else c.pp_rank,) if staged else ())
                 for c in self.collectives
             ]
-            total = human_bytes(self.comm_bytes())
             out.append(
                 Table(
                     "collectives per step",
-                    ("phase", "kind", "axes", "bytes/rank", "count", "node", "op", "source", "why"),
+                    ("phase", "kind", "axes", "bytes/rank", "count", "node", "op", "source", "why")
+                    + (("pp rank",) if staged else ()),
                     rows,
-                    f"total {total} per rank per step",
+                    self.comm_caption(),
                 )
             )
         if self.stages:
@@ -260,19 +289,31 @@ class Plan:
             ]
             out.append(Table("pipeline stages", ("stage", "pp rank", "modules", "cost", "sends per microbatch"), rows))
         if self.memory is not None:
-            m = self.memory
-            names = {
-                "params": "parameters", "grads": "gradients", "optimizer": "optimizer state (moments, fp32 masters)",
-                "activations": "step: activations, gradients, temporaries", "peak": "peak (dry run)",
-            }  # fmt: skip
-            rows = [
-                (names[k], human_bytes(getattr(m, k)))
-                for k in names
-                if getattr(m, k) or k in ("params", "grads", "optimizer")
-            ]
-            caption = f"ZeRO-{self.zero}, {self.precision.param} compute; model state as stored between steps"
-            out.append(Table("memory per rank", ("what", "bytes"), rows, caption))
+            out.append(self.memory_table())
         return out
+
+    def comm_caption(self) -> str:
+        """The bytes per rank per step, in words (per pp rank with a pipeline)."""
+        if not self.stages:
+            return f"total {human_bytes(self.comm_bytes())} per rank per step"
+        each = ", ".join(f"{r}: {human_bytes(self.comm_bytes(pp_rank=r))}" for r in self.pp_ranks)
+        return f"per rank per step, by pp rank ({each}); a stage runs its collectives once per microbatch"
+
+    def memory_table(self) -> Table:
+        """Bytes per rank: the most loaded rank's, and with a pipeline every pp rank's."""
+        masters = self.precision.param in ("bfloat16", "float16") and self.zero < 2
+        names = {
+            "params": "parameters", "grads": "gradients",
+            "optimizer": "optimizer state (moments, fp32 masters)" if masters else "optimizer state (moments)",
+            "activations": "step: activations, gradients, temporaries", "peak": "peak (dry run)",
+        }  # fmt: skip
+        shown = [k for k in names if k in ("params", "grads", "optimizer") or getattr(self.memory, k)]
+        mems = [self.memory] + list(self.stage_memory)
+        heads = ["most loaded rank"] + [f"pp rank {r}" for r in range(len(self.stage_memory))]
+        rows = [(names[k], *(human_bytes(getattr(m, k)) for m in mems)) for k in shown]
+        where = "full-precision shards (FSDP2)" if self.zero >= 2 else f"{self.precision.param} parameters"
+        caption = f"ZeRO-{self.zero}: {where}; model state as stored between steps"
+        return Table("memory per rank", ("what", *heads) if self.stage_memory else ("what", "bytes"), rows, caption)
 
     def __str__(self) -> str:
         return "\n\n".join(t.to_text() for t in self.tables())

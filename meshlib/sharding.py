@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from .mesh import Mesh
 from .spec import P
 
-__all__ = ["NamedSharding", "UNEVEN_POLICIES", "check_spec"]
+__all__ = ["NamedSharding", "UNEVEN_FIX", "UNEVEN_POLICIES", "check_spec"]
 
 UNEVEN_POLICIES = ("error", "chunk")
 _FULL = slice(None, None, None)
@@ -71,9 +71,12 @@ def _check_shape(mesh: Mesh, spec: P, shape: tuple[int, ...], uneven: str, path:
             raise ValueError(
                 f"{_where(path)}dim {dim} of shape {shape} has size {size}, which spec {spec!r} "
                 f"splits {ways} ways over mesh axes {sizes}; {size} is not a multiple of {ways}. "
-                f"Fix: make dim {dim} a multiple of {ways} (pad it), shard it over fewer axes, or "
-                "use uneven='chunk' for torch.chunk block sizes"
+                f"Fix: make dim {dim} a multiple of {ways} (pad it), shard it over fewer axes{UNEVEN_FIX}"
             )
+
+
+# the last fix a shape error offers; a layer that only lays out even shards (the torch compiler) drops it
+UNEVEN_FIX = ", or use uneven='chunk' for torch.chunk block sizes"
 
 
 def _blocks(size: int, ways: int, uneven: str) -> tuple[slice, ...]:

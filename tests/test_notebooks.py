@@ -10,8 +10,16 @@ temporary directory put first on JUPYTER_PATH. The repository root is
 put on the kernel's PYTHONPATH, so the notebooks import this checkout of
 meshlib whether or not it is pip-installed. New notebooks are picked up by the
 glob with no change here.
+
+The notebooks are stored executed, so that their tables and pictures show
+without running them. The test executes a copy of the stored notebook and
+fails when a code cell's stored outputs lack a kind (text, or a picture) that
+the fresh run produced in that cell: a notebook stored stripped, or stored
+before a cell that now draws a figure was run. `python notebooks/execute.py`
+stores them executed.
 """
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -78,5 +86,22 @@ def kernel(tmp_path_factory):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(kernel, path):
-    nb = nbformat.read(path, as_version=4)
-    _execute(nb, path.parent)
+    stored = nbformat.read(path, as_version=4)
+    fresh = copy.deepcopy(stored)
+    _execute(fresh, path.parent)
+    lost = {
+        number: sorted(_kinds(new.outputs) - _kinds(old.outputs))
+        for number, (old, new) in enumerate(zip(stored.cells, fresh.cells))
+        if new.cell_type == "code" and not _kinds(new.outputs) <= _kinds(old.outputs)
+    }
+    if lost:
+        cells = "; ".join(f"cell {number}: {', '.join(kinds)}" for number, kinds in lost.items())
+        pytest.fail(
+            f"{path.name} is stored without outputs that executing it produces ({cells}). "
+            f"Store it executed: python notebooks/execute.py notebooks/{path.name}"
+        )
+
+
+def _kinds(outputs) -> set[str]:
+    """What a cell's outputs show: "picture" for an image, "text" for anything else (streams, reprs, errors)."""
+    return {"picture" if any(mime.startswith("image/") for mime in out.get("data", {})) else "text" for out in outputs}

@@ -4,7 +4,7 @@ Method: every rank of a `RankPool` trains the meta-built model with
 `parallelize` for 3 AdamW steps; the parent trains the unsharded model with
 the same initial values and data. Losses and gradient norms at every step and
 every parameter after the last step must agree: fp64 to 1e-12, fp32 to rtol
-1e-5 (DESIGN.md's contract; atol 1e-5, torch.testing's fp32 default).
+1e-5 (the project's parity contract; atol 1e-5, torch.testing's fp32 default).
 """
 
 import pytest

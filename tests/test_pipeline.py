@@ -79,6 +79,14 @@ def test_pp_with_zero1():
     _check(model="llama-tiny", mesh="pp=2,dp=2", microbatches=2, schedule="gpipe", zero=1)
 
 
+@pytest.mark.parametrize("mesh, zero", [("pp=2,tp=2", 0), ("dp=2,pp=2,tp=2", 3)])
+def test_pp_with_sequence_parallel_and_recompute(mesh, zero):
+    """A stage that receives its sequence shard gathers it inside its first layer: the layers the
+    recompute (and FSDP2) units are cut along hold that gather too."""
+    _check(model="llama-tiny", mesh=mesh, microbatches=2, sequence_parallel=True, recompute="block", zero=zero,
+           batch_size=8)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "zero, sched, model, layers, mesh",
     [(3, "1f1b", "gpt-tiny", 2, "dp=2,pp=2"), (3, "zbv", "gpt-tiny", 4, "dp=2,pp=2"),

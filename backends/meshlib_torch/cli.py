@@ -1,111 +1,212 @@
-"""`meshlib plan` and `meshlib run`: inspect a plan with no processes, or train under torchrun.
+"""`meshlib plan` and `meshlib run`, carried out: the options are `meshlib.cli`'s parser.
 
     meshlib plan --model llama-7b --mesh dp=8,tp=4
+    meshlib plan --model mypkg.model:build --rules mypkg.model:rules --mesh dp=2,tp=2
+    meshlib run --nproc-per-node 4 --model gpt-tiny --mesh dp=2,tp=2 --steps 20
     torchrun --nproc-per-node 4 -m meshlib_torch run --model gpt-tiny --mesh dp=2,tp=2 --steps 20
+
+Bad input (a ValueError) is one message and exit status 2, said once however many ranks
+run (`meshlib.cli.fail`); `meshlib run --nproc-per-node` checks the options by compiling
+the plan on the meta device before any worker starts.
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib
+import inspect
 import math
 import os
 import re
+import runpy
 import sys
+import traceback
 from collections import defaultdict
+from collections.abc import Mapping
 
 import torch
 
-from meshlib import Mesh, Plan, Precision
+from meshlib import Mesh, P, Plan, pattern_rules
 from meshlib._table import Table, human_bytes, show
+from meshlib.cli import check_launch, fail, parser
 from meshlib.cost import zero_level
 
 from . import models
 from .testing.parity import TOLERANCE
 
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt-tiny", help=f"bundled model: {', '.join(models.CONFIGS)}")
-    p.add_argument("--mesh", default="dp=2,tp=2", help="mesh axes, e.g. dp=2,tp=2")
-    p.add_argument("--batch", type=int, default=8, help="global batch size")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's, at most 64 for run)")
-    p.add_argument("--sp", action="store_true", help="sequence parallel: norm regions sharded on the sequence over tp")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="master (full-precision) dtype")
-    p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
-    p.add_argument("--zero", default="0", help="0|1|2|3 or no_shard|shard_grad_op|full: what is sharded over dp")
-    p.add_argument("--precision", default="", help="compute dtype: fp32|bf16|fp16, or param=..,reduce=..,output=..")
-    p.add_argument("--recompute", default="none", choices=["none", "block", "selective"], help="activation recompute")
-    p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (pipeline, or accumulation)")
-    p.add_argument(
-        "--schedule", default="1f1b",
-        help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv (any case; torch's class names too)",
-    )  # fmt: skip
-    p.add_argument("--chunks", type=int, default=None, help="pipeline stages per rank (interleaved schedules)")
-    p.add_argument("--split-points", default=None, help="layers where pipeline stages 2, 3, ... begin, e.g. 4,9,14")
-    p.add_argument("--balance", default="flops", choices=["flops", "params"], help="pipeline stage cost to balance")
+_USER_SEQ = 64  # --seq for the user's own model when not given
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshlib", description="Plan and run meshlib-parallel training.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="compile on the meta device and print the plan (no processes)")
-    _common(plan)
-    plan.add_argument("--all", action="store_true", help="list every collective instead of grouping them")
-    plan.add_argument("--json", default=None, help="also write the plan as JSON to this file")
-    run = sub.add_parser("run", help="train under torchrun and compare with the single-process reference")
-    _common(run)
-    run.add_argument("--steps", type=int, default=20)
-    run.add_argument("--lr", type=float, default=3e-3)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
-    run.add_argument(
-        "--weights", default=None, metavar="PATH",
-        help="start from these weights: a .safetensors file, a directory saved by save_pretrained or --export, "
-        "or a DCP checkpoint (each rank reads its own shards)",
-    )  # fmt: skip
-    run.add_argument(
-        "--export", default=None, metavar="PATH",
-        help="after training, write the model there as Hugging Face safetensors (sharded files with the index)",
-    )  # fmt: skip
-    return parser
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser().parse_args(argv)
+    if args.command is None:
+        parser().print_help()
+        return
+    try:
+        if args.command == "plan":
+            plan_main(args)
+        else:
+            run_main(args, argv)
+    except BrokenPipeError:  # `meshlib plan ... | head`: the reader has gone; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
+    except (ValueError, OSError) as err:  # bad input (or a missing file): the message says what to change
+        fail(f"meshlib {args.command}: error: {err}")
+    except Exception:  # a bug, or a dead peer: the traceback, also said once
+        fail(traceback.format_exc().rstrip(), status=1)
+
+
+# -- the model, its rules and inputs --------------------------------------------------------------
+def _own(args) -> bool:
+    return ":" in args.model
 
 
 def _overrides(args) -> dict:
     if args.layers is None:
         return {}
+    if _own(args):
+        raise ValueError("--layers overrides a bundled model's layer count; give your factory its own options")
     cfg = models.config(args.model)
     return {"n_layer" if hasattr(cfg, "n_layer") else "n_layers": args.layers}
 
 
 def _seq(args, cap: int | None = None) -> int:
+    if _own(args):
+        return args.seq or _USER_SEQ
     cfg = models.config(args.model)
     limit = getattr(cfg, "block_size", None) or cfg.max_seq_len
     seq = args.seq or (min(limit, cap) if cap else limit)
     if seq > limit:
-        raise SystemExit(f"--seq {seq} is longer than {args.model}'s maximum {limit}")
+        raise ValueError(f"--seq {seq} is longer than {args.model}'s maximum {limit}")
     return seq
+
+
+def _subject(args, mesh: Mesh, seq: int) -> tuple:
+    """(model on meta, rules, example inputs, example keyword inputs, notes) for `args.model`."""
+    dtype = getattr(torch, args.dtype)
+    if _own(args):
+        return _own_subject(args, mesh, seq, dtype)
+    cfg = models.config(args.model, **_overrides(args))
+    model = models.build(cfg, device="meta", dtype=dtype)
+    example = tuple(torch.empty(args.batch, seq, dtype=torch.long, device="meta") for _ in range(2))
+    return model, models.default_rules(cfg, mesh), example, {}, ()
+
+
+def _own_subject(args, mesh: Mesh, seq: int, dtype: torch.dtype) -> tuple:
+    factory = _named(args.model, "--model")
+    _overrides(args)
+    if not callable(factory):
+        raise ValueError(f"--model {args.model}: {type(factory).__name__} is not callable; name a function or class")
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model {args.model} returned a {type(model).__name__}, not a torch.nn.Module")
+    model = model.to(device="meta", dtype=dtype)
+    module = sys.modules[args.model.partition(":")[0]]
+    rules, said = _own_rules(args, module, mesh)
+    inputs, kwargs = _own_inputs(args, module, model, seq)
+    return model, rules, inputs, kwargs, (("rules", said),)
+
+
+def _named(ref: str, flag: str):
+    """The object `package.module:name` names (the current directory is searched first, as for
+    `python -m`); or, for --rules, the `rules` a Python file defines."""
+    if flag == "--rules" and ref.endswith(".py"):
+        if not os.path.isfile(ref):
+            raise ValueError(f"{flag} {ref}: no such file")
+        space = runpy.run_path(ref)
+        if "rules" not in space:
+            raise ValueError(f"{flag} {ref} defines no `rules`. Fix: define rules(mesh) there, or a rules object")
+        return space["rules"]
+    name, _, attr = ref.partition(":")
+    if not attr:
+        raise ValueError(f"{flag} {ref!r}: give package.module:name, e.g. mypkg.model:build")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(name)
+    except ImportError as err:
+        raise ValueError(f"{flag} {ref}: cannot import {name} ({err}). Fix: put its directory on PYTHONPATH") from None
+    if not hasattr(module, attr):
+        raise ValueError(f"{flag} {ref}: module {name} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def _own_rules(args, module, mesh: Mesh) -> tuple:
+    """The rules and how they were found: --rules, else the module's `rules`, else all replicated."""
+    if args.rules:
+        found, said = _named(args.rules, "--rules"), args.rules
+    elif hasattr(module, "rules"):
+        found, said = module.rules, f"{module.__name__}:rules"
+    else:
+        return pattern_rules({}, default=P()), "none given: every parameter replicated"
+    if callable(found) and not isinstance(found, Mapping) and _arity(found) == 1:
+        found = found(mesh)  # rules(mesh)
+    if isinstance(found, Mapping):
+        found = pattern_rules(found)
+    if not callable(found):
+        raise ValueError(
+            f"--rules {said}: got a {type(found).__name__}; give rules(mesh), a rule (path, leaf) -> P, "
+            "or a {pattern: P} dict"
+        )
+    return found, said
+
+
+def _arity(fn) -> int | None:
+    try:
+        return len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _own_inputs(args, module, model: torch.nn.Module, seq: int) -> tuple[tuple, dict]:
+    """(positional, keyword) example inputs: --inputs, else the module's `example_inputs`, else token ids."""
+    make = _named(args.inputs, "--inputs") if args.inputs else getattr(module, "example_inputs", None)
+    with torch.device("meta"):
+        if make is None:
+            ids = torch.empty(args.batch, seq, dtype=torch.long)
+            return (ids,), _targets(inspect.signature(model.forward).parameters, ids)
+        out = make(args.batch, seq)
+    if isinstance(out, Mapping):
+        return (), dict(out)
+    return ((out,) if torch.is_tensor(out) else tuple(out)), {}
+
+
+def _targets(names, ids) -> dict:
+    """`targets=ids` or `labels=ids` when the forward takes one (so that it returns its loss)."""
+    return next(({k: ids} for k in ("targets", "labels") if k in names), {})
+
+
+def _check_uneven(args) -> None:
+    """`--uneven chunk` asks for torch.chunk's block sizes, which the core lays out (`NamedSharding`)
+    but the compiler does not yet: it splits every dim evenly."""
+    if args.uneven != "error":
+        raise ValueError(
+            f"--uneven {args.uneven}: this version's compiler shards dims evenly only. Fix: make each sharded "
+            "dim a multiple of its axes' sizes (pad it, or pick other mesh sizes)"
+        )
+
+
+def _compile(args, *, seq: int):
+    """The compiled model for `args` on the meta device (no processes), and the plan's extra notes."""
+    from .compiler.compile import compile_model
+
+    _check_uneven(args)
+    mesh = Mesh.parse(args.mesh)
+    model, rules, inputs, kwargs, notes = _subject(args, mesh, seq)
+    compiled = compile_model(
+        model, mesh=mesh, rules=rules, example_inputs=inputs, example_kwargs=kwargs or None,
+        sequence_parallel=args.sp, zero=zero_level(args.zero), precision=args.precision or None,
+        recompute=args.recompute, estimate_memory=True, microbatches=args.microbatches, schedule=args.schedule,
+        chunks=args.chunks, split_points=args.split_points, balance=args.balance,
+    )  # fmt: skip
+    return compiled, (("model", args.model), *notes, ("batch x seq", f"{args.batch} x {seq}"))
 
 
 # -- plan ------------------------------------------------------------------------------------
 def plan_main(args) -> Plan:
-    from .compiler.compile import compile_model
-
-    mesh = Mesh.parse(args.mesh)
-    cfg = models.config(args.model, **_overrides(args))
-    model = models.build(cfg, device="meta", dtype=getattr(torch, args.dtype))
-    seq = _seq(args)
-    example = tuple(torch.empty(args.batch, seq, dtype=torch.long, device="meta") for _ in range(2))
-    common = dict(
-        mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=example, sequence_parallel=args.sp,
-        zero=zero_level(args.zero), precision=Precision.parse(args.precision) if args.precision else None,
-        recompute=args.recompute, estimate_memory=True,
-    )  # fmt: skip
-    compiled = compile_model(
-        model, **common, microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
-        split_points=_split_points(args), balance=args.balance,
-    )  # fmt: skip
-    plan = compiled.plan.replace(
-        notes=compiled.plan.notes + (("model", args.model), ("batch x seq", f"{args.batch} x {seq}"))
-    )
+    compiled, notes = _compile(args, seq=_seq(args))
+    plan = compiled.plan.replace(notes=compiled.plan.notes + notes)
     tables = _plan_tables(plan, grouped=not args.all)
     tables[1] = param_table(compiled, grouped=not args.all)
     show(*tables)
@@ -123,27 +224,34 @@ def _plan_tables(plan: Plan, *, grouped: bool) -> list:
 
 
 def grouped_collectives(plan: Plan) -> Table:
-    """Collectives folded by (phase, kind, axes, op, source): how many, bytes per rank per step."""
+    """Collectives folded by (phase, kind, axes, op, source): how many, bytes per rank per step (with
+    a pipeline, per pp rank: each rank runs its own stages' collectives)."""
+    staged = bool(plan.stages)
     groups: dict = defaultdict(lambda: [0, 0])
     for c in plan.collectives:
         key = (c.phase, c.kind, ",".join(c.axes), c.op, c.source, c.reason)
+        key += (("all" if c.pp_rank < 0 else c.pp_rank),) if staged else ()
         groups[key][0] += c.count
         groups[key][1] += c.total_bytes
     rows = [
-        (*k[:3], n, human_bytes(b), k[3], k[4], k[5])
-        for k, (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])
+        (*k[:3], n, human_bytes(b), *k[3:]) for k, (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])
     ]
-    total = human_bytes(plan.comm_bytes())
     return Table(
         "collectives per step (grouped by source line)",
-        ("phase", "kind", "axes", "count", "bytes/rank", "op", "source", "change"),
+        ("phase", "kind", "axes", "count", "bytes/rank", "op", "source", "change") + (("pp rank",) if staged else ()),
         rows,
-        f"total {total} per rank per step; `meshlib plan --all` lists each one with its graph node",
+        f"{plan.comm_caption()}; `meshlib plan --all` lists each one with its graph node",
     )
 
 
 def param_table(compiled, *, grouped: bool = True) -> Table:
-    """Each parameter's shape, spec, per-rank shard and bytes; layers folded into `layers.*` rows."""
+    """Each parameter's shape, spec and tensor-parallel shard, with its bytes in the model's dtype; layers
+    folded into `layers.*` rows (with a pipeline, per pp rank holding them)."""
+    holders: dict = defaultdict(set)
+    if compiled.stages is not None:
+        for s, names in enumerate(compiled.stages.params):
+            for name in names:
+                holders[name].add(compiled.schedule.placement[s])
     rows: dict = {}
     for name, p in compiled.traced.params.items():
         local = compiled.local_param_shape(name)
@@ -152,61 +260,82 @@ def param_table(compiled, *, grouped: bool = True) -> Table:
         groups = {pl.groups for pl in compiled.param_layouts[name] if hasattr(pl, "groups")}
         shown = repr(spec) + (f" strided x{max(groups)}" if groups and max(groups) > 1 else "")
         key = (key_name, tuple(p.shape), shown, local)
-        n, b = rows.get(key, (0, 0))
-        rows[key] = (n + 1, b + math.prod(local) * p.element_size())
+        n, b, ranks = rows.get(key, (0, 0, set()))
+        rows[key] = (n + 1, b + math.prod(local) * p.element_size(), ranks | holders[name])
     out = [
         (k[0], n, "x".join(map(str, k[1])), k[2], "x".join(map(str, k[3])), human_bytes(b))
-        for k, (n, b) in rows.items()
+        + ((_ranges(sorted(ranks)),) if holders else ())
+        for k, (n, b, ranks) in rows.items()
     ]
-    total = human_bytes(sum(b for _, b in rows.values()))
+    total = human_bytes(sum(b for _, b, _ in rows.values()))
+    held = compiled.plan.memory.params if compiled.plan.memory is not None else 0
     return Table(
         "parameter layouts",
-        ("tensor", "count", "shape", "spec", "shard per rank", "bytes/rank"),
+        ("tensor", "count", "shape", "spec", "tp shard", "bytes of the shards") + (("pp rank",) if holders else ()),
         out,
-        f"total {total} per rank",
+        f"{total} of tensor-parallel shards in all (the model's dtype); one rank holds "
+        f"{human_bytes(held)} of parameters (the memory table: its pipeline stages only, in the compute dtype, "
+        "and under ZeRO-3 a 1/dp shard of each)",
     )
 
 
-def _split_points(args) -> list[int] | None:
-    if not args.split_points:
-        return None
-    try:
-        return [int(x) for x in args.split_points.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(
-            f"--split-points {args.split_points!r}: give layer indices separated by commas, e.g. 4,9,14"
-        ) from None
+def _ranges(ranks: list[int]) -> str:
+    """`0-3`, `0,3`, `1`: pp ranks, consecutive runs folded."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ",".join(map(str, run)) for run in runs)
 
 
 # -- run ----------------------------------------------------------------------------------------
-def run_main(args) -> None:
+def run_main(args, argv: list[str] | None = None) -> None:
+    """Train on this rank (under torchrun or the launcher), or start the workers (--nproc-per-node)."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if "RANK" not in os.environ:
+        raise SystemExit(_launch(args, argv))
     from .runtime import dist as mdist
     from .testing.parity import RunConfig, compare, train_parallel, train_reference
 
-    if "RANK" not in os.environ:
-        raise SystemExit(
-            "meshlib run trains on several processes: launch it with torchrun, e.g.\n"
-            f"  torchrun --nproc-per-node {Mesh.parse(args.mesh).size} -m meshlib_torch run {' '.join(sys.argv[2:])}"
-        )
+    _check_uneven(args)
     run = RunConfig(
         model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch, seq_len=_seq(args, cap=64),
         dtype=args.dtype, lr=args.lr, seed=args.seed, sequence_parallel=args.sp, overrides=_overrides(args),
-        zero=zero_level(args.zero), precision=args.precision, recompute=args.recompute,
+        zero=zero_level(args.zero), precision=args.precision or "", recompute=args.recompute,
         microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
-        split_points=tuple(_split_points(args) or ()) or None, balance=args.balance, weights=args.weights,
+        split_points=tuple(args.split_points or ()) or None, balance=args.balance, weights=args.weights,
         export=args.export,
     )  # fmt: skip
     rank0 = int(os.environ["RANK"]) == 0
-    result = train_parallel(run, progress=rank0)
-    if rank0:
-        show(_run_summary(run, result))
-        if args.export:
-            print(f"exported the trained model to {args.export}")
-        if not args.no_reference:
-            ref = train_reference(run)
-            diffs = compare(ref, result, run.torch_dtype, check=False)
-            show(_reference_table(diffs, run))
-    mdist.shutdown()
+    try:
+        result = train_parallel(run, progress=rank0)
+        if rank0:
+            show(_run_summary(run, result))
+            if args.export:
+                print(f"exported the trained model to {args.export}")
+            if not args.no_reference:
+                ref = train_reference(run)
+                diffs = compare(ref, result, run.tolerance, check=False)
+                show(_reference_table(diffs, run))
+    finally:
+        mdist.shutdown()
+
+
+def _launch(args, argv: list[str]) -> int:
+    """Check the options against the mesh (the plan compiled on meta), then start the workers."""
+    check_launch(args, argv)
+    if args.weights and not os.path.exists(args.weights):
+        raise ValueError(f"--weights {args.weights}: no such file or directory")
+    _compile(args, seq=_seq(args, cap=64))
+    from .launch import launch
+
+    return launch(
+        argv, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+        rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+        master_addr=args.master_addr, master_port=args.master_port, max_restarts=args.max_restarts,
+    )  # fmt: skip
 
 
 def _run_summary(run, result) -> Table:
@@ -227,31 +356,24 @@ def _reference_table(diffs: dict, run) -> Table:
         "param": f"parameters after {run.steps} steps",
     }
     rows = [(names[k], f"{v:.3e}") for k, v in diffs.items() if k in names]
-    rtol, _ = TOLERANCE[run.torch_dtype]
-    hint = (
-        ""
-        if diffs["ok"] or run.dtype == "float64"
-        else "; AdamW grows fp32 rounding over longer runs: try --dtype float64"
-    )
+    rtol, atol = TOLERANCE[run.tolerance]
+    low = run.tolerance in (torch.bfloat16, torch.float16)
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(run.tolerance, run.dtype)
+    reference = f"single-process {short} reference" if low else "single-process reference"
+    basis = f"{short} compute with {run.dtype} masters on both sides" if low else f"{run.dtype}"
+    if diffs["ok"] or run.dtype == "float64":
+        hint = ""
+    elif low:
+        hint = f"; {short} rounding compounds step by step: --steps 3 is the tests' case"
+    else:
+        hint = "; AdamW grows fp32 rounding over longer runs: try --dtype float64"
     return Table(
-        "parallel run vs single-process reference: max |difference|",
+        f"parallel run vs {reference}: max |difference|",
         ("quantity", "max |diff|"),
         rows,
-        f"{'within' if diffs['ok'] else 'beyond'} rtol {rtol:g} (the parity tests' {run.dtype} tolerance, "
-        f"which they check over 3 steps{hint})",
+        f"{'within' if diffs['ok'] else 'beyond'} rtol {rtol:g}, atol {atol:g}: the parity tests' tolerance for "
+        f"{basis}, which they check over 3 steps{hint}",
     )
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
-    try:
-        if args.command == "plan":
-            plan_main(args)
-        else:
-            run_main(args)
-    except ValueError as err:  # bad input: the message says what to change; no traceback
-        print(f"meshlib {args.command}: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 __all__ = ["main", "plan_main", "run_main", "grouped_collectives", "param_table"]

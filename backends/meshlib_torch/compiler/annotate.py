@@ -11,12 +11,14 @@ pieces of each part and the split needs no gather.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.fx as fx
 
 from meshlib import Mesh, P, PatternRules, apply_rules, tree_shardings
+from meshlib.sharding import UNEVEN_FIX
 
 from .bind import bind
 from .placements import PARTIAL, Layout, R, Shard
@@ -57,6 +59,18 @@ def layout_to_spec(layout: Layout, mesh: Mesh, ndim: int) -> P:
     return P(*entries, unreduced=unreduced)
 
 
+@contextlib.contextmanager
+def even_only():
+    """Shape errors without the uneven-shards fix: the compiler lays out even shards only."""
+    try:
+        yield
+    except ValueError as err:
+        if UNEVEN_FIX not in str(err):
+            raise
+        even = " (the compiler splits dims evenly only: uneven shards are not supported yet)"
+        raise ValueError(str(err).replace(UNEVEN_FIX, even)) from None
+
+
 def param_specs(
     params: dict[str, torch.Tensor], rules, mesh: Mesh, aliases: dict[str, str] | None = None
 ) -> dict[str, P]:
@@ -92,7 +106,8 @@ def param_specs(
     missing = sorted(set(params) - set(specs))
     if missing:
         raise ValueError(f"no spec for parameters {missing}; give every parameter a spec or a rule default")
-    tree_shardings(params, {n: specs[n] for n in params}, mesh)  # raises, naming every parameter that does not fit
+    with even_only():  # raises, naming every parameter that does not fit
+        tree_shardings(params, {n: specs[n] for n in params}, mesh)
     return specs
 
 

@@ -8,6 +8,8 @@ several. Either way the result is one `Compiled` that the runtime carries out.
 
 from __future__ import annotations
 
+import difflib
+
 import torch
 
 from meshlib import Mesh, P, Precision
@@ -16,7 +18,9 @@ from meshlib.cost import zero_level
 from .call import Call, LossSpec, bind_call
 from .graph import compile_graph
 from .pipeline import compile_pipeline
+from .placements import Shard
 from .program import Compiled, Options, check_recompute
+from .records import step_collectives
 
 
 def compile_model(
@@ -44,6 +48,7 @@ def compile_model(
     balance: str = "flops",
     estimate_memory: bool = False,
     allow_data_gather: bool = False,
+    idle_axes: tuple[str, ...] = (),
 ) -> Compiled:
     """Compile `model` for `mesh`: no processes, no real memory (the model may be on meta).
 
@@ -60,7 +65,9 @@ def compile_model(
     `"param=bf16,reduce=fp32"`). The batch holds `microbatches` microbatches: a pipeline's
     (a `pp_axis` in the mesh: `schedule`, `chunks` stages per rank, `split_points` or a
     `balance` by "flops" or "params"), else gradient accumulation's. Gathering an activation
-    over a data axis is an error unless `allow_data_gather`. `estimate_memory` adds the dry
+    over a data axis is an error unless `allow_data_gather`. A mesh axis nothing is split over (no
+    parameter, no input, not the pipeline's) is an error unless named in `idle_axes`: every rank
+    along it would repeat the same work. `estimate_memory` adds the dry
     run's peak to the plan.
     """
     options = Options(
@@ -73,15 +80,47 @@ def compile_model(
     _check_microbatches(call, microbatches)
     common = dict(mesh=mesh, rules=rules, options=options, in_specs=in_specs, sequence_parallel=sequence_parallel)
     if pp_axis in mesh and mesh.axis_size(pp_axis) > 1:
-        return compile_pipeline(
+        compiled = compile_pipeline(
             model, call, **common, microbatches=microbatches, schedule=schedule, chunks=chunks, pp_axis=pp_axis,
             split_points=split_points, balance=balance, estimate_memory=estimate_memory,
         )  # fmt: skip
+        _check_axes_used(compiled, pp_axis, idle_axes)
+        return compiled
     compiled = compile_graph(
         model, call.micro(microbatches), **common, tp_axis=tp_axis, seq_dim=seq_dim, estimate_memory=estimate_memory
     )
     compiled.microbatches = microbatches
+    compiled.plan = compiled.plan.replace(
+        collectives=tuple(step_collectives(compiled, microbatches)), microbatches=microbatches
+    )
+    _check_axes_used(compiled, pp_axis, idle_axes)
     return compiled
+
+
+CANONICAL_AXES = ("dp", "tp", "pp", "ep", "cp")
+
+
+def _check_axes_used(compiled: Compiled, pp_axis: str, idle_axes: tuple[str, ...]) -> None:
+    """Refuse a mesh axis (of size > 1) that nothing is split over: not a data axis, no parameter's or
+    input's layout shards over it, and it is not the pipeline's. Most often a typo (`tq` for `tp`)."""
+    mesh = compiled.mesh
+    used = set(compiled.data_axes) | ({pp_axis} if pp_axis in mesh else set())
+    for layout in [*compiled.param_layouts.values(), *compiled.input_layouts.values()]:
+        used |= {a for a, p in zip(mesh.axis_names, layout) if isinstance(p, Shard)}
+    idle = [a for a in mesh.axis_names if mesh.axis_size(a) > 1 and a not in used and a not in idle_axes]
+    if not idle:
+        return
+    hints = []
+    for axis in idle:
+        near = difflib.get_close_matches(axis, [a for a in CANONICAL_AXES if a not in mesh], n=1, cutoff=0.3)
+        hints.append(f"{axis!r} (did you mean {near[0]!r}?)" if near else repr(axis))
+    used_text = ", ".join(a for a in mesh.axis_names if a in used) or "none"
+    raise ValueError(
+        f"mesh axis {', '.join(hints)} splits nothing: no parameter or input is sharded over it, it is not a "
+        f"data-parallel or pipeline axis, so every rank along it would repeat the same work. Axes in use: "
+        f"{used_text}. Fix: rename the axis, write rules that shard over it, or pass idle_axes={tuple(idle)!r} "
+        "if pure replication is what you want"
+    )
 
 
 def _precision(model: torch.nn.Module, precision) -> Precision:

@@ -27,6 +27,7 @@ from .program import Compiled, zero1_pieces
 from .shapes import local_shape
 from .special import special_module
 from .split import Recompute, layer_paths, split_graph
+from .stages import boundary_values
 
 
 class _DryCollective(torch.autograd.Function):
@@ -217,3 +218,77 @@ def _fsdp_hooks(gm: nn.Module, layers: int, tracker: PeakTracker, zero: int, n_d
         handles.append(block.register_full_backward_pre_hook(lambda m, g, i=i: both(i, i - 1)))
         handles.append(block.register_full_backward_hook(lambda m, gi, go, i=i: after_backward(i)))
     return handles
+
+
+# -- a pipeline: each stage on its own, then each rank's schedule ------------------------------------
+def _stage_run(compiled: Compiled, s: int) -> tuple[int, int, int]:
+    """One microbatch through stage `s` on meta tensors, in bytes above the parameters: what it keeps
+    for backward (its activations), the most live in its forward, and in its forward and backward."""
+    stages, opts = compiled.stages, compiled.options
+    compute = getattr(torch, opts.precision.param)
+    graph = stages.graphs[s]
+    root, params = nn.Module(), []
+    comms = {c.name: c for c in compiled.comms}
+    specials = {c.name: c for c in compiled.specials}
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in compiled.traced.params:
+            shape = compiled.local_param_shape(node.target)
+            params.append(nn.Parameter(torch.empty(shape, dtype=compute, device="meta")))
+            # a weight's gradient is in the model state already: here it only passes through
+            params[-1].register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            set_attr(root, node.target, params[-1])
+        elif node.op == "get_attr" and node.target in compiled.buffers:
+            b = compiled.buffers[node.target]
+            dtype = compute if b.is_floating_point() else b.dtype
+            set_attr(root, node.target, torch.empty(tuple(b.shape), dtype=dtype, device="meta"))
+        elif node.op == "call_module" and node.target in comms:
+            root.add_module(node.target, DryComm(comms[node.target], compiled.axes.sizes))
+        elif node.op == "call_module" and node.target in specials:
+            root.add_module(node.target, special_module(specials[node.target], {}))
+    gm = fx.GraphModule(root, _dry_graph(graph))
+    if opts.recompute != "none":
+        gm = split_graph(gm, {n.name: k for n, k in compiled.parts.items()}, compiled.layers)
+        for name, child in list(gm.named_children()):
+            if name.startswith("layer_"):
+                setattr(gm, name, Recompute(child, opts.recompute))
+    inputs = boundary_values(compiled, stages.inputs[s], "meta", stages.layouts)
+    tracker = PeakTracker()
+    with tracker:
+        tracker.ignore(params)
+        tracker.baseline([*inputs, *gm.buffers()])
+        base = tracker.live
+        out = gm(*inputs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        outs = [t for t in outs if torch.is_tensor(t) and t.requires_grad]
+        kept, forward = tracker.live - base, tracker.peak - base
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    return kept, forward, tracker.peak - base
+
+
+def stage_peaks(compiled: Compiled, core, state: list[int]) -> list[int]:
+    """Each pp rank's peak bytes in a step: its model state (`state`), its stages' parameters in the
+    compute dtype where ZeRO-2/3 keeps them gathered through the step, and the activations its
+    schedule keeps in flight. Walking the rank's actions, a forward adds its stage's kept bytes and
+    a backward (full, or of the input) frees them; the peak is the most in flight plus the transient
+    of the action running then (`_stage_run`). Weight gradients are in the state already."""
+    runs = [_stage_run(compiled, s) for s in range(len(compiled.stages.graphs))]
+    opts = compiled.options
+    compute = torch.empty((), dtype=getattr(torch, opts.precision.param)).element_size()
+    out = []
+    for r, actions in enumerate(core.actions):
+        held = set().union(*(compiled.stages.params[s] for s, p in enumerate(core.placement) if p == r))
+        gathered = 0
+        if opts.zero >= 2:
+            gathered = sum(math.prod(compiled.local_param_shape(n)) for n in held) * compute
+        live = top = 0
+        for a in actions:
+            kept, forward, step = runs[a.stage]
+            if a.kind == "F":
+                top = max(top, live + forward)
+                live += kept
+            elif a.kind in ("B", "I"):
+                top = max(top, live - kept + step)
+                live -= kept
+        out.append(state[r] + gathered + top)
+    return out

@@ -29,6 +29,7 @@ from .records import plan_of, with_data_parallel
 from .redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
 from .split import layer_paths, partition
 from .trace import trace
+from .values import annotate_run_dtypes
 
 
 @contextlib.contextmanager
@@ -88,6 +89,7 @@ def _refuse_data_gathers(comms: list[CommSpec], plans, axes: Axes, data: tuple[s
 def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, options, count_flops) -> Compiled:
     traced = trace(model, call, count_flops=count_flops)
     gm = traced.gm
+    annotate_run_dtypes(gm, call, getattr(torch, options.precision.param))
     fold_scalars(gm)
     specs = _annotate.param_specs(traced.params, rules, mesh, traced.aliases)
     groups = _annotate.fuse_groups(gm)

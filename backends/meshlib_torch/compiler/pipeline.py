@@ -11,17 +11,23 @@ notes say so, with both reasons. Nothing here runs on values or needs a process.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
+import torch
 from torch import nn
 
-from meshlib import Collective, Stage
+from meshlib import Collective, Memory, Stage
 from meshlib import schedule as core_schedule
 from meshlib.schedules import resolve_schedule
 
 from .call import Call
 from .costs import graph_costs, layer_costs, stage_ranges
+from .dryrun import stage_peaks
 from .fqn_split import split_eager
 from .graph import compile_graph
-from .program import Compiled, Options
+from .program import Compiled, Options, fsdp_whole, model_state
+from .records import dp_collectives, graph_collectives
 from .split import layer_paths
 from .stages import build_stages
 from .trace import Untraceable
@@ -47,7 +53,7 @@ def compile_pipeline(
     try:
         compiled = compile_graph(
             model, micro, mesh=mesh, rules=rules, options=options, in_specs=in_specs,
-            sequence_parallel=sequence_parallel, estimate_memory=estimate_memory, count_flops=balance == "flops",
+            sequence_parallel=sequence_parallel, estimate_memory=False, count_flops=balance == "flops",
         )  # fmt: skip
     except Untraceable as reason:
         costs = layer_costs(model, layers, micro, by=balance)
@@ -68,45 +74,102 @@ def compile_pipeline(
         split = f"by layer FQN on the {compiled.traced.path} graph"
     stages.costs = costs.of(ranges)
     stages.balance = balance if split_points is None else "user split points"
-    compiled.plan = _plan_with_stages(compiled.plan, stages, core, layers, microbatches, pp_axis, split)
+    compiled.stages, compiled.schedule, compiled.microbatches, compiled.pp_axis = stages, core, microbatches, pp_axis
+    compiled.plan = _plan_with_stages(compiled, stages, core, layers, microbatches, pp_axis, split, estimate_memory)
     if options.zero == 3:
         compiled.plan = compiled.plan.replace(notes=compiled.plan.notes + (("ZeRO-3 in stages", GATHERED),))
-    compiled.stages, compiled.schedule, compiled.microbatches, compiled.pp_axis = stages, core, microbatches, pp_axis
     return compiled
 
 
-def _plan_with_stages(plan, stages, core, layers: list[str], m: int, pp_axis: str, split: str):
-    """The plan's stages (layers, cost, what each sends per microbatch) and its pipeline traffic."""
-    records = []
+def _plan_with_stages(compiled, stages, core, layers: list[str], m: int, pp_axis: str, split: str, estimate: bool):
+    """The plan's stages (layers, cost, what each sends per microbatch) and its collectives per rank
+    per step: each with the pp coordinate of the ranks that run it (`stage_collectives`)."""
+    plan = compiled.plan
     out = []
     for s, ((a, b), sends) in enumerate(zip(stages.layers, stages.sends)):
         mods = tuple(layers[a:b])
         out.append(Stage(s, core.placement[s], mods, stages.costs[s] if stages.costs else 0.0, tuple(sends)))
-        if s + 1 < len(core.placement) and core.placement[s] == core.placement[s + 1]:
-            continue  # the next stage is on this rank (the V's turn): torch hands the tensors over, no send
-        for bnd in sends:
-            records.append(
+    notes = dict(plan.notes) | {"stage split": f"{split}, balanced by {stages.balance}"}
+    memory = stage_memory(compiled, stages, core, estimate)
+    return plan.replace(
+        stages=tuple(out), schedule=core.name, microbatches=m, pp_axis=pp_axis, notes=tuple(notes.items()),
+        collectives=tuple(stage_collectives(compiled, stages, core, m, pp_axis)), stage_memory=memory,
+        memory=max(memory, key=lambda mem: (mem.peak, mem.params + mem.grads + mem.optimizer)),
+    )  # fmt: skip
+
+
+def stage_memory(compiled, stages, core, estimate: bool = False) -> tuple[Memory, ...]:
+    """The memory of the ranks at each pp coordinate: the model state of the parameters their stages
+    hold, and with `estimate` the dry run's peak of their part of the schedule (`dryrun.stage_peaks`)."""
+    place = core.placement
+    out = []
+    for r in range(max(place) + 1):
+        held = set().union(*(stages.params[s] for s in range(len(place)) if place[s] == r))
+        out.append(model_state(compiled, held))
+    if estimate and compiled.graph is not None:
+        states = [m.params + m.grads + m.optimizer for m in out]
+        peaks = stage_peaks(compiled, core, states)
+        out = [dataclasses.replace(m, activations=p - s, peak=p) for m, s, p in zip(out, states, peaks)]
+    return tuple(out)
+
+
+def stage_collectives(compiled, stages, core, m: int, pp_axis: str) -> list[Collective]:
+    """What the ranks at each pp coordinate run in one step of `m` microbatches.
+
+    A stage's own collectives (tensor parallelism, the loss) run once per microbatch. Each pp
+    rank syncs over the data axes the gradients of the parameters its stages hold, once per step
+    (ZeRO-2/3 gather them once per step too: a stage keeps them gathered through the step).
+    A parameter stages on several pp ranks hold is summed between them over `pp_axis`. Every
+    boundary is sent by the rank before it in forward and by the rank after it in backward, and
+    the last stage broadcasts the step's loss to every pp rank."""
+    place = core.placement
+    out: list[Collective] = []
+    if compiled.graph is not None:
+        for s, graph in enumerate(stages.graphs):
+            mods = {n.target for n in graph.nodes if n.op == "call_module"}
+            comms = [c for c in compiled.comms if c.name in mods]
+            specials = [c for c in compiled.specials if c.name in mods]
+            out += graph_collectives(comms, specials, compiled.axes, count=m, pp_rank=place[s])
+    else:  # the eager stages' one collective: the loss's mean over the data axes, on the last stage
+        out += [dataclasses.replace(c, pp_rank=place[-1]) for c in compiled.plan.collectives if c.op == "loss"]
+    holders: dict[str, set[int]] = {}
+    for s, names in enumerate(stages.params):
+        for name in names:
+            holders.setdefault(name, set()).add(place[s])
+    opts = compiled.options
+    zero = 2 if opts.zero == 3 else opts.zero  # kept gathered from the first microbatch to the last
+    whole = fsdp_whole(compiled) if zero >= 2 else set()
+    for r in sorted(set(place)):
+        names = {n for n, ranks in holders.items() if r in ranks}
+        out += dp_collectives(
+            compiled.traced, compiled.param_layouts, compiled.axes, compiled.data_axes,
+            opts, compiled.synced_params, names=names, pp_rank=r, whole=whole, level=zero,
+        )  # fmt: skip
+        for name in sorted(n for n in names if len(holders[n]) > 1):
+            nbytes = math.prod(compiled.local_param_shape(name)) * _itemsize(opts.precision.param)
+            why = f"tied between pp ranks {sorted(holders[name])}"
+            out.append(
                 Collective(
-                    "send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s} -> {s + 1}",
-                    "forward", m, 2,
+                    "all_reduce", (pp_axis,), nbytes, name, "tied gradient", "", why, "backward", 1,
+                    len(holders[name]), name, r,
                 )
             )  # fmt: skip
-            if bnd.grad:
-                records.append(
-                    Collective(
-                        "send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", f"stage {s + 1} -> {s}",
-                        "backward", m, 2,
-                    )
-                )  # fmt: skip
-    notes = dict(plan.notes) | {"stage split": f"{split}, balanced by {stages.balance}"}
-    return plan.replace(
-        stages=tuple(out),
-        schedule=core.name,
-        microbatches=m,
-        collectives=plan.collectives + tuple(records),
-        notes=tuple(notes.items()),
-    )
+        out.append(Collective("broadcast", (pp_axis,), 8, "loss", "loss", "", "the step's loss", "step", 1, 2, "", r))
+    for s, sends in enumerate(stages.sends):
+        if s + 1 >= len(place) or place[s] == place[s + 1]:
+            continue  # the next stage is on this rank (the V's turn): torch hands the tensors over, no send
+        for bnd in sends:
+            ways = [(f"stage {s} -> {s + 1}", "forward", place[s])]
+            ways += [(f"stage {s + 1} -> {s}", "backward", place[s + 1])] if bnd.grad else []
+            out += [
+                Collective("send_recv", (pp_axis,), bnd.bytes, bnd.name, "pipeline", "", why, phase, m, 2, "", r)
+                for why, phase, r in ways
+            ]
+    return out
 
 
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
-__all__ = ["compile_pipeline"]
+
+__all__ = ["compile_pipeline", "stage_collectives", "stage_memory"]

@@ -18,7 +18,7 @@ import torch.fx as fx
 from meshlib import Memory, Mesh, NamedSharding, P, Plan, Precision
 from meshlib.cost import fsdp2_memory, zero_memory
 
-from .annotate import spec_to_layout
+from .annotate import even_only, spec_to_layout
 from .localize import SpecialSpec
 from .placements import Layout, Shard, zero1_split
 from .propagate import Axes, NodePlan
@@ -130,35 +130,45 @@ def input_layouts(tensors: dict[str, torch.Tensor], in_specs, mesh: Mesh, replic
     out = {}
     for name, x in tensors.items():
         spec = in_specs.get(name, P())
-        NamedSharding(mesh, spec).check(tuple(x.shape), path=f"input {name!r}")
+        with even_only():
+            NamedSharding(mesh, spec).check(tuple(x.shape), path=f"input {name!r}")
         out[name] = spec_to_layout(spec, mesh)
     return out
 
 
-def model_state(compiled: Compiled) -> Memory:
-    """Bytes per rank of parameters, gradients and optimizer state, as the runtime stores them.
+def model_state(compiled: Compiled, names=None) -> Memory:
+    """Bytes per rank of parameters, gradients and optimizer state, as the runtime stores them, for
+    the parameters in `names` (by default all; with a pipeline, those a pp rank's stages hold).
 
-    ZeRO-0/1 keep DESIGN.md's layout: parameters and gradients in the compute
+    ZeRO-0/1 keep the ZeRO paper's layout (`meshlib.cost.zero_memory`): parameters and gradients in the compute
     dtype, fp32 masters (mixed precision) and two moments in the optimizer,
     sharded over the data axes from ZeRO-1. ZeRO-2/3 are FSDP2's storage:
-    full-precision shards of parameters and gradients, and the moments.
+    full-precision shards of parameters and gradients, and the moments; what
+    FSDP2 leaves whole (`fsdp_whole`) is stored as under ZeRO-0. A shard is
+    the largest rank's (torch.chunk's first).
     """
     opts = compiled.options
     full = next(iter(compiled.traced.params.values())).dtype
-    compute = getattr(torch, opts.precision.param)
-    mixed = compute in (torch.bfloat16, torch.float16)
-    psi = sum(math.prod(compiled.local_param_shape(n)) for n in compiled.traced.params)
+    mixed = getattr(torch, opts.precision.param) in (torch.bfloat16, torch.float16)
+    names = [n for n in compiled.traced.params if names is None or n in names]
+    numel = lambda name: math.prod(compiled.local_param_shape(name))  # noqa: E731
     n = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes if a not in opts.replicate_axes) or 1
     if opts.zero >= 2:
-        state = fsdp2_memory(psi, n, itemsize=full.itemsize)
-        return Memory(params=int(state.params), grads=int(state.grads), optimizer=int(state.optimizer))
+        whole = fsdp_whole(compiled)
+        shards = sum(_fsdp_shard(compiled, name, n) for name in names if name not in whole)
+        kept = sum(numel(name) for name in names if name in whole)
+        a = fsdp2_memory(shards, 1, itemsize=full.itemsize)
+        b = zero_memory(kept, 1, zero=0, mixed=mixed, itemsize=full.itemsize)
+        return Memory(params=int(a.params + b.params), grads=int(a.grads + b.grads),
+                      optimizer=int(a.optimizer + b.optimizer))  # fmt: skip
+    psi = sum(numel(name) for name in names)
     if opts.zero != 1 or n == 1:
         state = zero_memory(psi, n, zero=opts.zero, mixed=mixed, itemsize=full.itemsize)
         return Memory(params=int(state.params), grads=int(state.grads), optimizer=int(state.optimizer))
-    pieces = zero1_pieces(compiled)
+    pieces = {k: v for k, v in zero1_pieces(compiled).items() if k in names}
     state = zero_memory(psi, n, zero=1, mixed=mixed, itemsize=full.itemsize)
     per = zero_memory(1, 1, zero=1, mixed=mixed, itemsize=full.itemsize).optimizer  # bytes per element
-    whole = sum(math.prod(compiled.local_param_shape(name)) for name, kept in pieces.items() if kept is None)
+    whole = sum(numel(name) for name, kept in pieces.items() if kept is None)
     kept = sum(k for k in pieces.values() if k is not None)
     # a piece holds its share of the moments (and of the fp32 master, if separate); a whole tensor
     # holds all of them, and always a full-precision master copy of its own
@@ -167,6 +177,51 @@ def model_state(compiled: Compiled) -> Memory:
         grads=int(state.grads),
         optimizer=round(per * kept + 3 * full.itemsize * whole),
     )
+
+
+def fsdp_whole(compiled: Compiled) -> set[str]:
+    """The parameters FSDP2 leaves whole under ZeRO-2/3: 1-D ones split in groups over tensor
+    parallelism (a fused projection's bias: FSDP cannot nest its shard in that layout), and those
+    two pipeline stages hold (a tied embedding and head: each stage would shard its own)."""
+    out = {
+        name for name, layout in compiled.param_layouts.items()
+        if len(compiled.traced.params[name].shape) == 1 and any(getattr(p, "groups", 1) > 1 for p in layout)
+    }  # fmt: skip
+    stages = compiled.stages
+    if stages is not None and stages.params:
+        count: dict[str, int] = {}
+        for held in stages.params:
+            for name in held:
+                count[name] = count.get(name, 0) + 1
+        out |= {name for name, k in count.items() if k > 1}
+    return out
+
+
+def _fsdp_shard(compiled: Compiled, name: str, n: int) -> int:
+    """Elements of the largest FSDP2 shard of `name` over `n` ranks: dim 0 cut as torch.chunk does
+    (dim 1 where tensor parallelism already splits dim 0 in groups)."""
+    local = compiled.local_param_shape(name)
+    if not local:
+        return 1
+    grouped = any(getattr(p, "groups", 1) > 1 and p.dim == 0 for p in compiled.param_layouts[name])
+    dim = 1 if grouped and len(local) > 1 else 0
+    return math.ceil(local[dim] / n) * math.prod(local) // max(1, local[dim])
+
+
+def deferred_loss(compiled: Compiled):
+    """The collective that sums the graph's scalar loss over one data axis for its output, when there
+    is no pipeline (a pipeline's last stage keeps it): `(spec, axis)`, or None. The runtime runs it
+    itself, beside backward, on the loss in the output dtype."""
+    if compiled.stages is not None or compiled.graph is None:
+        return None
+    out = next(n for n in compiled.graph.nodes if n.op == "output")
+    for spec in compiled.comms:
+        steps = spec.steps(compiled.axes, "forward")
+        if spec.consumer == out.name and spec.shape == () and len(steps) == 1:
+            kind, axis, _, _ = steps[0]
+            if kind == "all_reduce" and axis in compiled.data_axes:
+                return spec, axis
+    return None
 
 
 def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
@@ -186,5 +241,5 @@ def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
 
 __all__ = [
     "Compiled", "Options", "RECOMPUTE", "check_recompute", "check_zero", "data_axes", "default_in_spec",
-    "input_layouts", "model_state", "zero1_pieces",
+    "deferred_loss", "fsdp_whole", "input_layouts", "model_state", "zero1_pieces",
 ]  # fmt: skip

@@ -10,6 +10,7 @@ numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -20,7 +21,7 @@ from meshlib import Collective, Plan
 from ..torch_private import OpOverload
 from .localize import SpecialSpec
 from .placements import zero1_split
-from .program import Options
+from .program import Options, deferred_loss, fsdp_whole
 from .propagate import Axes
 from .redistribute import collective_records
 from .shapes import local_shape
@@ -28,16 +29,42 @@ from .source import source_line
 from .trace import Traced
 
 
-def plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts) -> Plan:
-    records = collective_records(comms, axes)
-    records += special_records(specials, axes)
-    collectives = [
+def graph_collectives(comms, specials, axes: Axes, *, count: int = 1, pp_rank: int = -1) -> list[Collective]:
+    """The collectives of one run of a graph holding `comms` and `specials`, `count` runs per step
+    (a microbatch each) on the ranks at pp coordinate `pp_rank`."""
+    records = collective_records(comms, axes) + special_records(specials, axes)
+    return [
         Collective(
-            r["kind"], r["axes"], r["bytes"], r["node"], r["op"], r["source"], r["reason"], r["phase"],
-            group=r["group"], consumer=r.get("consumer", ""),
+            r["kind"], r["axes"], r["bytes"], r["node"], r["op"], r["source"], r["reason"], r["phase"], count,
+            r["group"], r.get("consumer", ""), pp_rank,
         )
         for r in records
     ]  # fmt: skip
+
+
+def step_collectives(compiled, m: int) -> list[Collective]:
+    """A program without a pipeline: its collectives per rank in one step of `m` microbatches
+    (gradient accumulation). The graph's run once per microbatch, the loss's sum over the data axes
+    in the output dtype (the runtime runs it on the loss it returns); the gradients are synced once,
+    and ZeRO-2/3 gather the parameters again for every microbatch (FSDP2 reshards after backward)."""
+    out = graph_collectives(compiled.comms, compiled.specials, compiled.axes, count=m)
+    deferred = deferred_loss(compiled)
+    if deferred is not None:
+        spec, _ = deferred
+        nbytes = torch.empty((), dtype=getattr(torch, compiled.options.precision.output)).element_size()
+        out = [
+            dataclasses.replace(c, bytes=nbytes) if (c.node, c.consumer) == (spec.producer, spec.consumer) else c
+            for c in out
+        ]
+    whole = fsdp_whole(compiled) if compiled.options.zero >= 2 else set()
+    return out + dp_collectives(
+        compiled.traced, compiled.param_layouts, compiled.axes, compiled.data_axes, compiled.options,
+        compiled.synced_params, gathers=m, whole=whole,
+    )  # fmt: skip
+
+
+def plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts) -> Plan:
+    collectives = graph_collectives(comms, specials, axes)
     notes = {"trace": traced.path}
     for name in traced.call.chosen:
         notes[f"{name} (set by meshlib)"] = repr(traced.call.constants[name])
@@ -124,6 +151,27 @@ def with_data_parallel(
     plan: Plan, traced: Traced, layouts, axes: Axes, data: tuple[str, ...], options: Options, synced
 ) -> Plan:
     """The plan's gradient sync over the data axes, and its zero level, precision and recompute."""
+    records = dp_collectives(traced, layouts, axes, data, options, synced)
+    notes = dict(plan.notes) | {"data-parallel axes": ",".join(data) or "-"}
+    if options.replicate_axes:
+        notes["hsdp replicate axes"] = ",".join(options.replicate_axes)
+    return plan.replace(
+        collectives=plan.collectives + tuple(records), zero=options.zero, precision=options.precision,
+        recompute=options.recompute, notes=tuple(notes.items()),
+    )  # fmt: skip
+
+
+GRAD_SYNC, PARAM_GATHER = "grad sync", "param gather"  # ZeRO-2/3 gather parameters before use
+
+
+def dp_collectives(
+    traced: Traced, layouts, axes: Axes, data: tuple[str, ...], options: Options, synced, *,
+    names=None, pp_rank: int = -1, gathers: int = 1, whole=frozenset(), level: int | None = None,
+) -> list[Collective]:  # fmt: skip
+    """The data-parallel traffic of one step for the parameters in `names` (all by default), on the
+    ranks at pp coordinate `pp_rank`; ZeRO-2/3's parameter all-gathers happen `gathers` times, and
+    the gradients of what FSDP2 leaves `whole` are all-reduced. `level`: the ZeRO level whose
+    traffic it is, when not the plan's (ZeRO-3 in pipeline stages moves as ZeRO-2 does)."""
     records = []
     sizes = dict(zip(axes.names, axes.sizes))
     shard = tuple(a for a in data if a not in options.replicate_axes)
@@ -133,10 +181,11 @@ def with_data_parallel(
         for d in (options.precision.param, options.precision.reduce)
     )
     for name, p in traced.params.items():
-        if name not in synced:
+        if name not in synced or (names is not None and name not in names):
             continue  # its gradient is already whole (computed on activations gathered over the data axes)
         local = local_shape(tuple(p.shape), layouts[name], axes.sizes)
-        zero, numel = options.zero, math.prod(local)
+        zero = 0 if name in whole else options.zero if level is None else level
+        numel = math.prod(local)
         if zero == 1 and n_shard > 1:
             split = zero1_split(local, n_shard, layouts[name])
             if split is None:
@@ -148,18 +197,14 @@ def with_data_parallel(
         ):
             group = math.prod(sizes[a] for a in over)
             if group > 1:
+                gather = kind == "all_gather" and phase != "optimizer"
+                op, count = (PARAM_GATHER if gather else GRAD_SYNC), count * (gathers if gather else 1)
                 records.append(
                     Collective(
-                        kind, over, nbytes, name, "grad sync", "", f"zero-{options.zero}", phase, count, group, name
+                        kind, over, nbytes, name, op, "", f"zero-{options.zero}", phase, count, group, name, pp_rank
                     )
                 )
-    notes = dict(plan.notes) | {"data-parallel axes": ",".join(data) or "-"}
-    if options.replicate_axes:
-        notes["hsdp replicate axes"] = ",".join(options.replicate_axes)
-    return plan.replace(
-        collectives=plan.collectives + tuple(records), zero=options.zero, precision=options.precision,
-        recompute=options.recompute, notes=tuple(notes.items()),
-    )  # fmt: skip
+    return records
 
 
 def dp_sync_steps(zero: int, numel: int, param_b: int, reduce_b: int, shard: tuple, replicate: tuple, n_shard: int):
@@ -183,4 +228,7 @@ def dp_sync_steps(zero: int, numel: int, param_b: int, reduce_b: int, shard: tup
 
 
 
-__all__ = ["RANDOM_NOTE", "dp_sync_steps", "op_name", "plan_of", "special_records", "with_data_parallel"]
+__all__ = [
+    "GRAD_SYNC", "PARAM_GATHER", "RANDOM_NOTE", "dp_collectives", "dp_sync_steps", "graph_collectives", "op_name",
+    "plan_of", "special_records", "step_collectives", "with_data_parallel",
+]  # fmt: skip

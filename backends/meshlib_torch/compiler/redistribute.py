@@ -21,6 +21,7 @@ import torch.fx as fx
 from .placements import PARTIAL, Layout, Partial, Pending, R, Replicate, bus_bytes, kind, natural_grad
 from .propagate import Axes, NodePlan
 from .source import source_line
+from .values import run_dtype
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def _insert(gm, specs, x, have, need, grad_dst, first_user, val=None) -> fx.Node
     name = f"comm{len(specs)}"
     val = x.meta["val"] if val is None else val
     spec = CommSpec(
-        name, have, need, grad_dst, tuple(val.shape), val.dtype, bool(val.requires_grad),
+        name, have, need, grad_dst, tuple(val.shape), run_dtype(x), bool(val.requires_grad),
         x.name, first_user.name, str(getattr(first_user.target, "__name__", first_user.target)),
         source_line(first_user),
     )  # fmt: skip

@@ -80,9 +80,18 @@ def split_graph(gm: fx.GraphModule, parts: dict[str, int], n_layers: int) -> fx.
     graph; `gm` is a copy of it with the same node names).
     """
     names = {0: "pre", n_layers + 1: "post", **{i + 1: f"layer_{i}" for i in range(n_layers)}}
+    # a node the partition never saw (a pipeline stage's own: the gradient-side of a value it
+    # received) goes with the latest part it reads from, so that no part reads a later one
+    assigned: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.name in parts:
+            assigned[node.name] = parts[node.name]
+        elif node.op in ("call_function", "call_method", "call_module"):
+            ins = [assigned[a.name] for a in node.all_input_nodes if a.name in assigned]
+            assigned[node.name] = max(ins) if ins else n_layers + 1
 
     def where(node: fx.Node) -> int:
-        return parts.get(node.name, n_layers + 1)
+        return assigned.get(node.name, n_layers + 1)
 
     top = split_module(gm, gm, where, keep_original_node_name=True)
     _move_parameters_into_parts(top)

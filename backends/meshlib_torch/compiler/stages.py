@@ -21,6 +21,7 @@ from meshlib import Boundary
 
 from .placements import kind
 from .shapes import local_shape
+from .values import run_dtype
 
 
 @dataclass
@@ -153,6 +154,26 @@ def _send_shards(graph: fx.Graph, where: dict[str, int], comms: list) -> dict[st
     return moved
 
 
+def boundary_values(compiled, names: list[str], device, layouts: dict | None = None) -> tuple:
+    """Zeros shaped like these values for one microbatch on one rank (`output`: the loss), each in
+    the dtype it has as the model runs (bf16 under bf16 compute, unless the model casts it).
+    `layouts`: those of values the compiler's plans do not cover (collectives moved to a boundary).
+    A pipeline stage is built with them (torch checks each send against them), and the dry run
+    feeds them to a stage."""
+    by_name = {n.name: n for n in compiled.graph.nodes}
+    out = []
+    for name in names:
+        if name == "output":
+            out.append(torch.zeros((), device=device))
+            continue
+        node = by_name[name]
+        val = node.meta["val"]
+        layout = value_layout(node, compiled.plans, compiled.input_layouts, layouts)
+        shape = local_shape(tuple(val.shape), layout, compiled.axes.sizes) if layout is not None else tuple(val.shape)
+        out.append(torch.zeros(shape, dtype=run_dtype(node), device=device, requires_grad=bool(val.requires_grad)))
+    return tuple(out)
+
+
 def value_layout(node: fx.Node, plans, input_layouts: dict, moved: dict | None = None):
     """The layout a value crossing a boundary has on its rank: a collective moved to a boundary's
     (`moved`), an inserted collective's output, the op's planned output, or an input's."""
@@ -171,8 +192,9 @@ def _boundary(node: fx.Node, axes, plans, layouts: dict | None = None, input_lay
     layout = value_layout(node, plans, input_layouts or {}, layouts)
     shape = local_shape(tuple(val.shape), layout, axes.sizes) if layout is not None else tuple(val.shape)
     name = f"{node.args[0].name} (scattered)" if layouts and node.name in layouts else node.name
+    dtype = run_dtype(node)  # as it runs: under bf16 compute most activations cross in bf16
     return Boundary(
-        name, tuple(shape), str(val.dtype).removeprefix("torch."), math.prod(shape) * val.element_size(),
+        name, tuple(shape), str(dtype).removeprefix("torch."), math.prod(shape) * dtype.itemsize,
         bool(val.requires_grad),
     )
 

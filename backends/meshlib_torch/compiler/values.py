@@ -58,5 +58,41 @@ def annotate_values(gm: fx.GraphModule, call: Call, *, count_flops: bool = False
         _Recorder(gm, counter if count_flops else None, mode).run(*fakes)
 
 
+class _Dtypes(fx.Interpreter):
+    """Runs the graph on meta tensors with floating parameters and buffers in `compute`, noting
+    the dtype each value has when the model runs in that precision (`meta["run_dtype"]`)."""
 
-__all__ = ["annotate_values"]
+    def __init__(self, gm: fx.GraphModule, compute: torch.dtype):
+        super().__init__(gm)
+        self.compute, self.state = compute, {id(t) for t in [*gm.parameters(), *gm.buffers()]}
+
+    def fetch_attr(self, target: str):
+        attr = super().fetch_attr(target)
+        if not torch.is_tensor(attr):
+            return attr
+        dtype = self.compute if id(attr) in self.state and attr.is_floating_point() else attr.dtype
+        return torch.empty_like(attr, device="meta", dtype=dtype)
+
+    def run_node(self, n: fx.Node):
+        out = run_node_in_region(n, lambda: super(_Dtypes, self).run_node(n))
+        if torch.is_tensor(out):
+            n.meta["run_dtype"] = out.dtype
+        return out
+
+
+def annotate_run_dtypes(gm: fx.GraphModule, call: Call, compute: torch.dtype) -> None:
+    """Each value's dtype when the parameters compute in `compute` (bf16, fp16): `meta["run_dtype"]`.
+    What crosses a collective or a stage boundary moves in that dtype; a value the model casts
+    itself (a norm's fp32 statistics) keeps its own."""
+    params = [p for p in gm.parameters() if p.is_floating_point()]
+    if not params or all(p.dtype == compute for p in params):
+        return
+    _Dtypes(gm, compute).run(*(torch.empty_like(x, device="meta") for x in call.tensors.values()))
+
+
+def run_dtype(node: fx.Node) -> torch.dtype:
+    """The dtype of `node`'s value as the model runs (see `annotate_run_dtypes`)."""
+    return node.meta.get("run_dtype", node.meta["val"].dtype)
+
+
+__all__ = ["annotate_run_dtypes", "annotate_values", "run_dtype"]

@@ -25,6 +25,11 @@ CONFIGS = {
     "llama-70b": LlamaConfig(
         vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672, max_seq_len=4096
     ),
+    # Llama 3.1 405B's shape (arXiv:2407.21783, table 3): for dry runs at scale
+    "llama-405b": LlamaConfig(
+        vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, hidden_dim=53248, max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
 }
 
 

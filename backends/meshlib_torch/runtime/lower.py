@@ -21,13 +21,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..compiler.modules import set_attr
+from ..compiler.program import deferred_loss
 from ..compiler.regions import apply_regions
 from ..compiler.split import split_graph
 from ..torch_private import copy_codegen
 from . import dist as mdist
 from . import weights
 from .dtensor import torch_placements
-from .parallelisms.data import deferred_loss
 from .parallelisms.tensor import bind_collectives
 from .parallelisms.zero import plain_parameters
 

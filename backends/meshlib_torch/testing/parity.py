@@ -23,7 +23,11 @@ from ..runtime.materialize import init_full
 from ..runtime.optim import LossScaler
 from ..runtime.parallelize import parallelize
 
-# (rtol, atol): DESIGN.md's contract; fp32's atol is torch.testing's default for fp32.
+# (rtol, atol) by the dtype the model computes in (`RunConfig.tolerance`). fp64 and fp32: the project's
+# parity contract; fp32's atol is torch.testing's default for fp32. bf16 and fp16: the reference computes in
+# the same low precision with fp32 masters (`train_reference`), so the two runs differ only in the order
+# of their sums, each rounded to the low precision: bf16 keeps 8 significant bits (a rounding step of
+# 2**-8, 3.9e-3, relative) and fp16 11 (4.9e-4); a few such steps over 3 steps is 2e-2 and 5e-3.
 TOLERANCE = {
     torch.float64: (1e-12, 1e-12),
     torch.float32: (1e-5, 1e-5),
@@ -155,17 +159,7 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
     gradient accumulation's), the gradient norm noted before each update."""
     from ..runtime.comm import COUNTER
 
-    cfg = models.config(run.model, **run.overrides)
-    mesh = Mesh.parse(run.mesh)
-    meta = _build(run, cfg, device="meta", dtype=run.torch_dtype)
-    par = parallelize(
-        meta, mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=_batch(run, 0),
-        init=None if run.weights else _init(cfg, run), weights=run.weights, seed=run.seed,
-        sequence_parallel=run.sequence_parallel, zero=run.zero,
-        precision=Precision.parse(run.precision) if run.precision else None, recompute=run.recompute,
-        replicate_axes=run.replicate_axes, offload=run.offload, microbatches=run.microbatches, schedule=run.schedule,
-        chunks=run.chunks, balance=run.balance, split_points=list(run.split_points) if run.split_points else None,
-    )  # fmt: skip
+    par = build_parallel(run)
     opt = par.optimizer(lr=run.lr, betas=(0.9, 0.95), weight_decay=0.1)
     par.track_grad_norm = True
     losses, norms, comm = [], [], None
@@ -173,7 +167,7 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
     with _Progress(run.steps, title, enabled=progress) as bar:
         for step in range(run.steps):
             COUNTER.reset()
-            losses.append(par.train_step(_batch(run, step), opt))
+            losses.append(par.train_step(batch_of(run, step), opt))
             norms.append(par.last_grad_norm)
             comm = COUNTER.snapshot()
             bar.step(step, losses[-1], norms[-1])
@@ -190,7 +184,23 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
     return RunResult(losses, norms, params, par.plan, comm)
 
 
-def _batch(run: RunConfig, step: int) -> tuple:
+def build_parallel(run: RunConfig):
+    """`run`'s model parallelized on its mesh (call on every rank), from `run.weights` or its init."""
+    cfg = models.config(run.model, **run.overrides)
+    mesh = Mesh.parse(run.mesh)
+    meta = _build(run, cfg, device="meta", dtype=run.torch_dtype)
+    return parallelize(
+        meta, mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=batch_of(run, 0),
+        init=None if run.weights else _init(cfg, run), weights=run.weights, seed=run.seed,
+        sequence_parallel=run.sequence_parallel, zero=run.zero,
+        precision=Precision.parse(run.precision) if run.precision else None, recompute=run.recompute,
+        replicate_axes=run.replicate_axes, offload=run.offload, microbatches=run.microbatches, schedule=run.schedule,
+        chunks=run.chunks, balance=run.balance, split_points=list(run.split_points) if run.split_points else None,
+    )  # fmt: skip
+
+
+def batch_of(run: RunConfig, step: int) -> tuple:
+    """The global batch of `step`."""
     return data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
 
 

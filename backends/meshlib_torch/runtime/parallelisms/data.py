@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ...compiler.placements import Shard
+from ...compiler.program import deferred_loss
 from .. import dist as mdist
 from ..comm import COUNTER, CommCounter, local_slice
 
@@ -97,21 +98,6 @@ class LossSum:
         return loss + (value - loss).detach()
 
 
-def deferred_loss(compiled):
-    """The collective that sums the graph's scalar loss over one data axis for its output, when there
-    is no pipeline (a pipeline's last stage keeps it): `(spec, axis)`, or None."""
-    if compiled.stages is not None or compiled.graph is None:
-        return None
-    out = next(n for n in compiled.graph.nodes if n.op == "output")
-    for spec in compiled.comms:
-        steps = spec.steps(compiled.axes, "forward")
-        if spec.consumer == out.name and spec.shape == () and len(steps) == 1:
-            kind, axis, _, _ = steps[0]
-            if kind == "all_reduce" and axis in compiled.data_axes:
-                return spec, axis
-    return None
-
-
 class TargetCounts:
     """A loss's global count of targets per microbatch, counted by every rank from the whole batch it
     holds (the targets come from an input through views, pads and slices: `localize.count_recipe`), so
@@ -186,4 +172,4 @@ def apply_data(par) -> None:
         cut.finish = lambda loss: MeanOver.apply(loss, group, size, axis)
 
 
-__all__ = ["GradSync", "LossSum", "MeanOver", "TargetCounts", "apply_data", "deferred_loss", "target_counts"]
+__all__ = ["GradSync", "LossSum", "MeanOver", "TargetCounts", "apply_data", "target_counts"]

@@ -28,8 +28,7 @@ from torch.distributed.pipelining import (
 
 from meshlib import schedule as core_schedule
 
-from ...compiler.shapes import local_shape
-from ...compiler.stages import value_layout
+from ...compiler.stages import boundary_values
 from ...torch_private import runtime_schedule
 from .. import dist as mdist
 from ..comm import COUNTER
@@ -114,8 +113,8 @@ def apply_pipeline(par) -> None:
     for s, module in zip(par.local_stages, par.stage_modules, strict=True):
         if traced:
             moved = stages_plan.layouts
-            ins = _example(compiled, stages_plan.inputs[s], device, moved)
-            outs = _example(compiled, stages_plan.outputs[s], device, moved)
+            ins = boundary_values(compiled, stages_plan.inputs[s], device, moved)
+            outs = boundary_values(compiled, stages_plan.outputs[s], device, moved)
         else:
             ins = _zeros(stages_plan.inputs[s], device, grad=s > 0)
             outs = _zeros(stages_plan.outputs[s], device, grad=s < n - 1)
@@ -168,28 +167,6 @@ def make_schedule(stages: list[PipelineStage], core, microbatches: int, loss_fn=
         cls = _TORCH[name]
         return cls(stages[0], microbatches, **kw) if name in ("gpipe", "1f1b") else cls(stages, microbatches, **kw)
     return runtime_schedule(stages, microbatches, dict(enumerate(core.actions)), **kw)
-
-
-def _example(compiled, names: list[str], device, layouts: dict | None = None) -> tuple:
-    """Tensors shaped like these values for one microbatch on this rank (`output`: the loss).
-    `layouts`: those of values the compiler's plans do not cover (collectives moved to a boundary).
-    Under bf16/fp16 compute a value traced in the parameters' dtype crosses in the compute dtype (a
-    value the model casts to another dtype keeps it; torch checks each send against these)."""
-    by_name = {n.name: n for n in compiled.graph.nodes}
-    compute = getattr(torch, compiled.options.precision.param)
-    traced = {p.dtype for p in compiled.traced.params.values()}
-    out = []
-    for name in names:
-        if name == "output":
-            out.append(torch.zeros((), device=device))
-            continue
-        node = by_name[name]
-        val = node.meta["val"]
-        layout = value_layout(node, compiled.plans, compiled.input_layouts, layouts)
-        shape = local_shape(tuple(val.shape), layout, compiled.axes.sizes) if layout is not None else tuple(val.shape)
-        dtype = compute if val.dtype in traced and val.is_floating_point() else val.dtype
-        out.append(torch.zeros(shape, dtype=dtype, device=device, requires_grad=bool(val.requires_grad)))
-    return tuple(out)
 
 
 def _zeros(metas: tuple, device, *, grad: bool) -> tuple:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from ...compiler.program import fsdp_whole
 from ...torch_private import AllGather, ReduceScatter, StridedShard, in_backward
 from .. import dist as mdist
 from ..comm import COUNTER, CommCounter
@@ -86,18 +87,10 @@ def apply_zero(par, *, offload: bool, prefetch: bool) -> None:
 
 
 def left_whole(par) -> set[int]:
-    """The ids of the parameters FSDP2 leaves whole: those it cannot shard (`unshardable`), and those
-    two pipeline stages share (a tied embedding and head): each stage module would shard its own."""
-    out = {id(p) for p in unshardable(par.root)}
-    stages = par.compiled.stages
-    if stages is not None and stages.params:
-        count: dict[str, int] = {}
-        for names in stages.params:
-            for name in names:
-                count[name] = count.get(name, 0) + 1
-        shared = {n for n, k in count.items() if k > 1}
-        out |= {id(p) for n, p in par.named_model_parameters().items() if n in shared}
-    return out
+    """The ids of the parameters FSDP2 leaves whole (the compiler's `fsdp_whole`: a fused projection's
+    bias split in groups over tp, and those two pipeline stages share)."""
+    whole = fsdp_whole(par.compiled)
+    return {id(p) for n, p in par.named_model_parameters().items() if n in whole}
 
 
 def plain_parameters(compiled) -> bool:
