@@ -217,6 +217,10 @@ def _common(p: argparse.ArgumentParser, *, own_models: bool) -> None:
         "--uneven", default="error", choices=UNEVEN_POLICIES,
         help="a dim its axes do not divide: an error (JAX's rule), or torch.chunk's block sizes",
     )  # fmt: skip
+    p.add_argument(
+        "--idle-axes", default="", metavar="AXIS,...",
+        help="mesh axes nothing is split over, replicated on purpose (else such an axis is refused as a likely typo)",
+    )  # fmt: skip
 
 
 def _launcher(run: argparse.ArgumentParser) -> None:

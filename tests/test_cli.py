@@ -337,3 +337,14 @@ def test_main_job_exports_and_starts_from_weights(tmp_path):
     start = [float(re.search(r"losses: first ([0-9.]+)", text).group(1)) for text in (first, again)]
     assert start[1] < start[0]  # the second run begins where the first one's training left the model
 
+
+
+def test_a_mesh_that_cannot_be_meant_is_refused():
+    """A typo (`tq`) splits nothing: refused with the nearest axis name, one message, exit 2; a
+    duplicated axis too; `--idle-axes` asks for the replication on purpose."""
+    typo = _proc(MESHLIB + ["plan", "--model", "gpt-tiny", "--mesh", "dp=2,tq=2"])
+    assert typo.returncode == 2 and len(typo.stderr.splitlines()) == 1, typo.stderr
+    assert "mesh axis 'tq' (did you mean 'tp'?) splits nothing" in typo.stderr and "--idle-axes tq" in typo.stderr
+    twice = _proc(MESHLIB + ["plan", "--model", "gpt-tiny", "--mesh", "dp=2,dp=2"])
+    assert twice.returncode == 2 and "axis 'dp' is given twice" in twice.stderr
+    assert "memory per rank" in _run(MESHLIB + ["plan", "--model", "gpt-tiny", "--mesh", "dp=2,tq=2", "--idle-axes", "tq"])

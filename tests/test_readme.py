@@ -171,12 +171,13 @@ def _env(venv: Path) -> dict[str, str]:
 
 
 def _tail(proc: subprocess.CompletedProcess) -> str:
-    """The first traceback (under torchrun, the first failing rank's) and the output's last lines."""
+    """The first traceback (under torchrun, the first failing rank's) with what came before it (a rank
+    killed by a signal prints no traceback: torchrun's own comes first), and the output's last lines."""
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if not re.match(r"[WIE]\d{4} ", line)]
     first = next((i for i, line in enumerate(lines) if "Traceback" in line), None)
     if first is None:
         return "\n".join(lines[-40:])
-    head, rest = lines[first : first + 40], lines[first + 40 :]
+    head, rest = lines[max(0, first - 30) : first + 40], lines[first + 40 :]
     return "\n".join([*head, *(["...", *rest[-25:]] if rest else [])])
 
 

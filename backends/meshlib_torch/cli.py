@@ -177,6 +177,10 @@ def _targets(names, ids) -> dict:
     return next(({k: ids} for k in ("targets", "labels") if k in names), {})
 
 
+def _idle(args) -> tuple[str, ...]:
+    return tuple(a.strip() for a in args.idle_axes.split(",") if a.strip())
+
+
 def _check_uneven(args) -> None:
     """`--uneven chunk` asks for torch.chunk's block sizes, which the core lays out (`NamedSharding`)
     but the compiler does not yet: it splits every dim evenly."""
@@ -198,7 +202,7 @@ def _compile(args, *, seq: int):
         model, mesh=mesh, rules=rules, example_inputs=inputs, example_kwargs=kwargs or None,
         sequence_parallel=args.sp, zero=zero_level(args.zero), precision=args.precision or None,
         recompute=args.recompute, estimate_memory=True, microbatches=args.microbatches, schedule=args.schedule,
-        chunks=args.chunks, split_points=args.split_points, balance=args.balance,
+        chunks=args.chunks, split_points=args.split_points, balance=args.balance, idle_axes=_idle(args),
     )  # fmt: skip
     return compiled, (("model", args.model), *notes, ("batch x seq", f"{args.batch} x {seq}"))
 
@@ -306,7 +310,7 @@ def run_main(args, argv: list[str] | None = None) -> None:
         zero=zero_level(args.zero), precision=args.precision or "", recompute=args.recompute,
         microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
         split_points=tuple(args.split_points or ()) or None, balance=args.balance, weights=args.weights,
-        export=args.export,
+        export=args.export, idle_axes=_idle(args),
     )  # fmt: skip
     rank0 = int(os.environ["RANK"]) == 0
     try:

@@ -119,7 +119,7 @@ def _check_axes_used(compiled: Compiled, pp_axis: str, idle_axes: tuple[str, ...
         f"mesh axis {', '.join(hints)} splits nothing: no parameter or input is sharded over it, it is not a "
         f"data-parallel or pipeline axis, so every rank along it would repeat the same work. Axes in use: "
         f"{used_text}. Fix: rename the axis, write rules that shard over it, or pass idle_axes={tuple(idle)!r} "
-        "if pure replication is what you want"
+        f"(--idle-axes {','.join(idle)}) if pure replication is what you want"
     )
 
 

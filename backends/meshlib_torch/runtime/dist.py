@@ -23,6 +23,7 @@ Example (under torchrun with 4 processes):
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -65,6 +66,9 @@ def init(*, timeout: float = 120.0) -> None:
     if device_type() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     c10d.init_process_group(backend(), timeout=timedelta(seconds=timeout))
+    # the groups meshlib made are torn down before the interpreter finalizes: left to exit-time
+    # destructors, a gloo group's threads can outlive it and abort the process (SIGABRT)
+    atexit.register(shutdown)
 
 
 def start(mesh: Mesh, *, timeout: float | None = None) -> DeviceMesh:

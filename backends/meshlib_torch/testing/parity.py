@@ -53,6 +53,7 @@ class RunConfig:
     recompute: str = "none"
     microbatches: int = 1
     replicate_axes: tuple = ()
+    idle_axes: tuple = ()  # mesh axes nothing is split over, replicated on purpose
     offload: bool = False
     schedule: str = "1f1b"  # with a pp axis in the mesh
     chunks: int | None = None
@@ -194,7 +195,8 @@ def build_parallel(run: RunConfig):
         init=None if run.weights else _init(cfg, run), weights=run.weights, seed=run.seed,
         sequence_parallel=run.sequence_parallel, zero=run.zero,
         precision=Precision.parse(run.precision) if run.precision else None, recompute=run.recompute,
-        replicate_axes=run.replicate_axes, offload=run.offload, microbatches=run.microbatches, schedule=run.schedule,
+        replicate_axes=run.replicate_axes, idle_axes=run.idle_axes, offload=run.offload,
+        microbatches=run.microbatches, schedule=run.schedule,
         chunks=run.chunks, balance=run.balance, split_points=list(run.split_points) if run.split_points else None,
     )  # fmt: skip
 
