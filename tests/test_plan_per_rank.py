@@ -196,7 +196,7 @@ def _measured_peak(schedule: str, recompute: str) -> int:
 @pytest.mark.parametrize("schedule, recompute", [("gpipe", "none"), ("1f1b", "none"), ("1f1b", "block")])
 def test_pipeline_peak_estimate_per_rank(schedule, recompute):
     """The dry run walks each rank's schedule: GPipe keeps all 4 microbatches in flight, 1F1B at most
-    p - r; the plan's per-rank peak is within 10% of the peak measured on that rank."""
+    p - r; the plan's per-rank peak is within 5% of the peak measured on that rank."""
     measured = get_pool(2).run(_measured_peak, schedule, recompute)
     cfg, mesh = models.config("llama-small", n_layers=4), Mesh(pp=2)
     example = tuple(torch.empty(8, 128, dtype=torch.long, device="meta") for _ in range(2))
@@ -205,7 +205,7 @@ def test_pipeline_peak_estimate_per_rank(schedule, recompute):
         recompute=recompute, microbatches=4, schedule=schedule, estimate_memory=True,
     ).plan  # fmt: skip
     for rank, got in enumerate(measured):
-        assert plan.stage_memory[rank].peak == pytest.approx(got, rel=0.10), (rank, plan.stage_memory, measured)
+        assert plan.stage_memory[rank].peak == pytest.approx(got, rel=0.05), (rank, plan.stage_memory, measured)
 
 
 # -- meshes that cannot be what the user meant ----------------------------------------------------

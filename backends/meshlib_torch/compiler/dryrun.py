@@ -266,12 +266,14 @@ def _stage_run(compiled: Compiled, s: int) -> tuple[int, int, int]:
     return kept, forward, tracker.peak - base
 
 
-def stage_peaks(compiled: Compiled, core, state: list[int]) -> list[int]:
-    """Each pp rank's peak bytes in a step: its model state (`state`), its stages' parameters in the
-    compute dtype where ZeRO-2/3 keeps them gathered through the step, and the activations its
-    schedule keeps in flight. Walking the rank's actions, a forward adds its stage's kept bytes and
-    a backward (full, or of the input) frees them; the peak is the most in flight plus the transient
-    of the action running then (`_stage_run`). Weight gradients are in the state already."""
+def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) -> list[int]:
+    """Each pp rank's peak bytes in a step: what it holds throughout (`state`: parameters and
+    optimizer state), its stages' parameters in the compute dtype where ZeRO-2/3 keeps them gathered
+    through the step, the activations its schedule keeps in flight, and the weight gradients from a
+    stage's first backward on (`grads`, per stage: the optimizer step frees them). Walking the
+    rank's actions, a forward adds its stage's kept bytes and a backward (full, or of the input)
+    frees them (a stage's first backward turns them into its weight gradients as it goes); the peak
+    is the most in flight plus the transient of the action running then (`_stage_run`)."""
     runs = [_stage_run(compiled, s) for s in range(len(compiled.stages.graphs))]
     opts = compiled.options
     compute = torch.empty((), dtype=getattr(torch, opts.precision.param)).element_size()
@@ -282,13 +284,18 @@ def stage_peaks(compiled: Compiled, core, state: list[int]) -> list[int]:
         if opts.zero >= 2:
             gathered = sum(math.prod(compiled.local_param_shape(n)) for n in held) * compute
         live = top = 0
+        started: set[int] = set()
         for a in actions:
             kept, forward, step = runs[a.stage]
             if a.kind == "F":
                 top = max(top, live + forward)
                 live += kept
             elif a.kind in ("B", "I"):
-                top = max(top, live - kept + step)
-                live -= kept
+                new = 0
+                if a.stage not in started:  # its weight gradients appear as its activations go
+                    started.add(a.stage)
+                    new = grads[a.stage]
+                top = max(top, live - kept + max(step, new + step - kept))
+                live += new - kept
         out.append(state[r] + gathered + top)
     return out

@@ -107,8 +107,10 @@ def stage_memory(compiled, stages, core, estimate: bool = False) -> tuple[Memory
         held = set().union(*(stages.params[s] for s in range(len(place)) if place[s] == r))
         out.append(model_state(compiled, held))
     if estimate and compiled.graph is not None:
+        held = [m.params + m.optimizer for m in out]
+        grads = [model_state(compiled, names).grads for names in stages.params]
+        peaks = stage_peaks(compiled, core, held, grads)
         states = [m.params + m.grads + m.optimizer for m in out]
-        peaks = stage_peaks(compiled, core, states)
         out = [dataclasses.replace(m, activations=p - s, peak=p) for m, s, p in zip(out, states, peaks)]
     return tuple(out)
 
