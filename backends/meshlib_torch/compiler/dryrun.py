@@ -27,7 +27,7 @@ from .program import Compiled, zero1_pieces
 from .shapes import local_shape
 from .special import special_module
 from .split import Recompute, layer_paths, split_graph
-from .stages import boundary_values
+from .stages import boundary_values, rank_params
 
 
 class _DryCollective(torch.autograd.Function):
@@ -276,10 +276,9 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
     is the most in flight plus the transient of the action running then (`_stage_run`)."""
     runs = [_stage_run(compiled, s) for s in range(len(compiled.stages.graphs))]
     opts = compiled.options
-    compute = torch.empty((), dtype=getattr(torch, opts.precision.param)).element_size()
+    compute = getattr(torch, opts.precision.param).itemsize
     out = []
-    for r, actions in enumerate(core.actions):
-        held = set().union(*(compiled.stages.params[s] for s, p in enumerate(core.placement) if p == r))
+    for r, (actions, held) in enumerate(zip(core.actions, rank_params(compiled.stages, core.placement))):
         gathered = 0
         if opts.zero >= 2:
             gathered = sum(math.prod(compiled.local_param_shape(n)) for n in held) * compute

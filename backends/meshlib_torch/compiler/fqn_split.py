@@ -266,7 +266,7 @@ def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, da
     placements = {n: tuple(map(repr, lay)) for n, lay in layouts.items()}
     plan = Plan(mesh, specs={n: P() for n in canon}, notes=notes, placements=placements)
     options = Options(0, precision, "none", ())
-    plan = with_data_parallel(plan, traced, layouts, axes, data, options, synced)
+    plan = with_data_parallel(plan, data, options)
     compiled = Compiled(mesh, axes, None, traced, [], [], dict(plan.specs), layouts, in_layouts, call.names, plan)
     compiled.data_axes, compiled.options, compiled.synced_params = data, options, synced
     compiled.buffers = dict(model.named_buffers())

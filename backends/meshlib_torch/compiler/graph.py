@@ -121,7 +121,7 @@ def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, opt
     specials = localize(gm, plans, axes, set(traced.params))
     gm.graph.lint()
     plan = plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts)
-    plan = with_data_parallel(plan, traced, layouts, axes, data, options, synced)
+    plan = with_data_parallel(plan, data, options)
     buffers = {n: b for n, b in gm.named_buffers()}
     compiled = Compiled(
         mesh, axes, gm.graph, traced, comms, specials, specs, layouts, in_layouts, names, plan, buffers, plans

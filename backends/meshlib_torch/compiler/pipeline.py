@@ -29,7 +29,7 @@ from .graph import compile_graph
 from .program import Compiled, Options, fsdp_whole, model_state
 from .records import dp_collectives, graph_collectives
 from .split import layer_paths
-from .stages import build_stages
+from .stages import build_stages, rank_params
 from .trace import Untraceable
 
 GATHERED = (
@@ -101,11 +101,7 @@ def _plan_with_stages(compiled, stages, core, layers: list[str], m: int, pp_axis
 def stage_memory(compiled, stages, core, estimate: bool = False) -> tuple[Memory, ...]:
     """The memory of the ranks at each pp coordinate: the model state of the parameters their stages
     hold, and with `estimate` the dry run's peak of their part of the schedule (`dryrun.stage_peaks`)."""
-    place = core.placement
-    out = []
-    for r in range(max(place) + 1):
-        held = set().union(*(stages.params[s] for s in range(len(place)) if place[s] == r))
-        out.append(model_state(compiled, held))
+    out = [model_state(compiled, held) for held in rank_params(stages, core.placement)]
     if estimate and compiled.graph is not None:
         held = [m.params + m.optimizer for m in out]
         grads = [model_state(compiled, names).grads for names in stages.params]
@@ -134,21 +130,18 @@ def stage_collectives(compiled, stages, core, m: int, pp_axis: str) -> list[Coll
             out += graph_collectives(comms, specials, compiled.axes, count=m, pp_rank=place[s])
     else:  # the eager stages' one collective: the loss's mean over the data axes, on the last stage
         out += [dataclasses.replace(c, pp_rank=place[-1]) for c in compiled.plan.collectives if c.op == "loss"]
-    holders: dict[str, set[int]] = {}
-    for s, names in enumerate(stages.params):
-        for name in names:
-            holders.setdefault(name, set()).add(place[s])
+    held = rank_params(stages, place)
+    holders = {name: {r for r, names in enumerate(held) if name in names} for name in set().union(*held)}
     opts = compiled.options
     zero = 2 if opts.zero == 3 else opts.zero  # kept gathered from the first microbatch to the last
     whole = fsdp_whole(compiled) if zero >= 2 else set()
-    for r in sorted(set(place)):
-        names = {n for n, ranks in holders.items() if r in ranks}
+    for r, names in enumerate(held):
         out += dp_collectives(
             compiled.traced, compiled.param_layouts, compiled.axes, compiled.data_axes,
             opts, compiled.synced_params, names=names, pp_rank=r, whole=whole, level=zero,
         )  # fmt: skip
         for name in sorted(n for n in names if len(holders[n]) > 1):
-            nbytes = math.prod(compiled.local_param_shape(name)) * _itemsize(opts.precision.param)
+            nbytes = math.prod(compiled.local_param_shape(name)) * getattr(torch, opts.precision.param).itemsize
             why = f"tied between pp ranks {sorted(holders[name])}"
             out.append(
                 Collective(
@@ -168,10 +161,6 @@ def stage_collectives(compiled, stages, core, m: int, pp_axis: str) -> list[Coll
                 for why, phase, r in ways
             ]
     return out
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 __all__ = ["compile_pipeline", "stage_collectives", "stage_memory"]

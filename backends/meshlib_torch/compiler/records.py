@@ -51,7 +51,7 @@ def step_collectives(compiled, m: int) -> list[Collective]:
     deferred = deferred_loss(compiled)
     if deferred is not None:
         spec, _ = deferred
-        nbytes = torch.empty((), dtype=getattr(torch, compiled.options.precision.output)).element_size()
+        nbytes = getattr(torch, compiled.options.precision.output).itemsize
         out = [
             dataclasses.replace(c, bytes=nbytes) if (c.node, c.consumer) == (spec.producer, spec.consumer) else c
             for c in out
@@ -64,7 +64,8 @@ def step_collectives(compiled, m: int) -> list[Collective]:
 
 
 def plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts) -> Plan:
-    collectives = graph_collectives(comms, specials, axes)
+    """The plan of one graph, without its collectives: those are a step's, which `step_collectives`
+    (one graph) or `pipeline.stage_collectives` (its stages) count once the program is whole."""
     notes = {"trace": traced.path}
     for name in traced.call.chosen:
         notes[f"{name} (set by meshlib)"] = repr(traced.call.constants[name])
@@ -85,10 +86,7 @@ def plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layou
         )
     notes["sequence parallel"] = "on" if sp else "off"
     placements = {n: tuple(repr(p) for p in layouts[n]) for n in specs}
-    return Plan(
-        mesh, specs=specs, collectives=collectives, notes=notes,
-        placements=placements,
-    )  # fmt: skip
+    return Plan(mesh, specs=specs, notes=notes, placements=placements)
 
 
 RANDOM_NOTE = "random ops"
@@ -147,18 +145,15 @@ def special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:
     return out
 
 
-def with_data_parallel(
-    plan: Plan, traced: Traced, layouts, axes: Axes, data: tuple[str, ...], options: Options, synced
-) -> Plan:
-    """The plan's gradient sync over the data axes, and its zero level, precision and recompute."""
-    records = dp_collectives(traced, layouts, axes, data, options, synced)
+def with_data_parallel(plan: Plan, data: tuple[str, ...], options: Options) -> Plan:
+    """The plan's data-parallel axes, zero level, precision and recompute (the gradient sync itself
+    is a step's collectives: `dp_collectives`)."""
     notes = dict(plan.notes) | {"data-parallel axes": ",".join(data) or "-"}
     if options.replicate_axes:
         notes["hsdp replicate axes"] = ",".join(options.replicate_axes)
     return plan.replace(
-        collectives=plan.collectives + tuple(records), zero=options.zero, precision=options.precision,
-        recompute=options.recompute, notes=tuple(notes.items()),
-    )  # fmt: skip
+        zero=options.zero, precision=options.precision, recompute=options.recompute, notes=tuple(notes.items())
+    )
 
 
 GRAD_SYNC, PARAM_GATHER = "grad sync", "param gather"  # ZeRO-2/3 gather parameters before use

@@ -154,6 +154,14 @@ def _send_shards(graph: fx.Graph, where: dict[str, int], comms: list) -> dict[st
     return moved
 
 
+def rank_params(stages, placement) -> list[set[str]]:
+    """The parameter names the stages at each pp coordinate hold (`placement`: stage -> pp rank)."""
+    out: list[set[str]] = [set() for _ in range(max(placement) + 1)]
+    for s, names in enumerate(stages.params):
+        out[placement[s]] |= names
+    return out
+
+
 def boundary_values(compiled, names: list[str], device, layouts: dict | None = None) -> tuple:
     """Zeros shaped like these values for one microbatch on one rank (`output`: the loss), each in
     the dtype it has as the model runs (bf16 under bf16 compute, unless the model casts it).
