@@ -34,10 +34,10 @@ def _quiet_transformers():
 
 
 # -- transformers' GPT-2 -----------------------------------------------------------------------
-def build_gpt2(dtype=torch.float32) -> nn.Module:
+def build_gpt2(dtype=torch.float32, vocab: int = VOCAB) -> nn.Module:
     tf = _quiet_transformers()
     cfg = tf.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -88,11 +88,22 @@ def rules_llama(mesh: ml.Mesh):
     )
 
 
-def hf_batch(step: int) -> dict:
+def hf_batch(step: int, vocab: int = VOCAB) -> dict:
     """Keyword inputs, as a Hugging Face training loop passes them."""
     gen = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+ODD_VOCAB = 97  # GPT-2's own 50257 is odd too: no tensor-parallel size divides it
+
+
+def build_gpt2_odd_vocab(dtype=torch.float32) -> nn.Module:
+    return build_gpt2(dtype, vocab=ODD_VOCAB)
+
+
+def odd_vocab_batch(step: int) -> dict:
+    return hf_batch(step, vocab=ODD_VOCAB)
 
 
 # -- a plain nanoGPT-style model ----------------------------------------------------------------

@@ -39,7 +39,7 @@ def _setup(run: RunConfig):
         models.build(cfg, dtype=run.torch_dtype), mesh=mesh, rules=models.default_rules(cfg, mesh),
         example_inputs=_batch(run, 0), init=_init(cfg), seed=run.seed, zero=run.zero,
         precision=Precision.parse(run.precision) if run.precision else None, microbatches=run.microbatches,
-        schedule=run.schedule,
+        schedule=run.schedule, uneven=run.uneven,
     )  # fmt: skip
     return par, par.optimizer(lr=run.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -135,9 +135,11 @@ _BF16 = dict(model="llama-tiny", dtype="float32", precision="bf16", lr=1e-3)
         (dict(mesh="dp=4", zero=1, **_BF16), dict(mesh="dp=2,tp=2", zero=3, **_BF16)),
         (dict(mesh="dp=2,tp=2", zero=3, **_BF16), dict(mesh="dp=4", zero=1, **_BF16)),
         (dict(mesh="dp=3", zero=1, batch_size=6, **_BF16), dict(mesh="dp=2,tp=2", zero=1, batch_size=6, **_BF16)),
+        (dict(mesh="dp=2,tp=3", zero=1, uneven="chunk"), dict(mesh="dp=2,tp=2", zero=3)),
+        (dict(mesh="dp=2,tp=2", zero=0), dict(mesh="dp=2,tp=3", zero=3, uneven="chunk")),
     ],
     ids=["z0-dp4_to_z3-dp2tp2", "z1-dp2tp2_to_z0-dp4", "bf16-z1-dp4_to_z3-dp2tp2", "bf16-z3-dp2tp2_to_z1-dp4",
-         "bf16-z1-dp3-uneven_to_z1-dp2tp2"],
+         "bf16-z1-dp3-uneven_to_z1-dp2tp2", "z1-dp2tp3-chunk_to_z3-dp2tp2", "z0-dp2tp2_to_z3-dp2tp3-chunk"],
 )
 def test_across_zero_levels(tmp_path, saver, loader):
     """ZeRO-1 masters and moments are strided shards inside tp's; ZeRO-3's are FSDP2's; bf16 runs keep fp32 masters."""

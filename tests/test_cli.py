@@ -190,12 +190,19 @@ def test_meshlib_plan_pipeline_with_split_points_and_zero(tmp_path):
     assert bad.stderr.count("\n") == 1 and not bad.stdout
 
 
-def test_uneven_chunk_is_refused_until_the_compiler_lays_it_out():
-    """`--uneven chunk` reaches the compiler's policy; this compiler shards evenly only, and says so."""
-    proc = _proc(MESHLIB + ["plan", "--model", "gpt-tiny", "--mesh", "tp=3", "--uneven", "chunk"])
-    assert proc.returncode == 2 and proc.stderr.startswith("meshlib plan: error: --uneven chunk: this version's compiler")
+def test_uneven_chunk_plans_and_trains_on_three_ranks():
+    """Without the flag, tp=3 over a width-32 model is refused and the error names `--uneven chunk`'s
+    policy; with it, the plan lays out torch.chunk's pieces (MLP 128 rows: 43 on the first rank) and
+    the run through the launcher matches the single process."""
     even = _proc(MESHLIB + ["plan", "--model", "gpt-tiny", "--mesh", "tp=3"])
-    assert even.returncode == 2 and "32 is not a multiple of 3" in even.stderr
+    assert even.returncode == 2 and "is not a multiple of 3" in even.stderr and "uneven='chunk'" in even.stderr
+    plan = _proc(MESHLIB + ["plan", "--model", "gpt-tiny", "--mesh", "tp=3", "--uneven", "chunk"])
+    assert plan.returncode == 0, plan.stderr
+    assert re.search(r"uneven\s+chunk", plan.stdout) and re.search(r"h\.\*\.mlp\.c_fc\.weight .*43x32", plan.stdout)
+    run = _proc(MESHLIB + ["run", "--nproc-per-node", "3", "--model", "gpt-tiny", "--mesh", "tp=3", "--uneven", "chunk",
+                           "--steps", "2", "--dtype", "float64"])  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "within rtol 1e-12" in run.stdout
 
 
 USER_MODEL = Path(__file__).with_name("user_model.py")

@@ -20,15 +20,29 @@ from hypothesis import strategies as st
 
 from meshlib_torch.compiler.ops import RULES
 from meshlib_torch.compiler.placements import PARTIAL, R, Shard
+from meshlib_torch.compiler.shapes import chunk_fits
 from meshlib_torch.testing.rule_check import In, OpCase, check, kind, strategies, tensor_order
 
 aten = torch.ops.aten
 F64 = torch.float64
 
 
+def _even_sizes(n: int) -> list[int]:
+    return [n, 2 * n, 3 * n, 6 * n, 1, 5]
+
+
+def _uneven_sizes(n: int) -> list[int]:
+    """Sizes torch.chunk cuts into n non-empty, mostly unequal pieces (7 over 4: 2, 2, 2, 1)."""
+    return [2 * n - 1, 3 * n - 1, 7, n, 2 * n, 1]
+
+
+SIZES = {"now": _even_sizes}
+
+
 def _dims(draw, rank: int, n: int) -> tuple[int, ...]:
-    """A shape whose dims mostly split over n ranks (and sometimes in 2 or 3 groups first)."""
-    return tuple(draw(st.sampled_from([n, 2 * n, 3 * n, 6 * n, 1, 5])) for _ in range(rank))
+    """A shape whose dims mostly split over n ranks (and sometimes in 2 or 3 groups first); in the
+    uneven test, mostly do not."""
+    return tuple(draw(st.sampled_from(SIZES["now"](n))) for _ in range(rank))
 
 
 def _rand(shape, gen, dtype=F64):
@@ -275,13 +289,13 @@ def test_every_rule_has_a_generator():
     assert set(RULES) == (set(CASES) - {"view back"}) | set(SAME_RULE)
 
 
-def _placements(draw, case: OpCase, n: int) -> list:
-    """Current placements of the op's tensor inputs (in the rule's order): shards of dims that split, R,
-    and partial sums of floating-point values."""
+def _placements(draw, case: OpCase, n: int, uneven: bool = False) -> list:
+    """Current placements of the op's tensor inputs (in the rule's order): shards of dims that split
+    (with `uneven`, in torch.chunk's pieces too), R, and partial sums of floating-point values."""
     out = []
     for i in tensor_order(case):
         x = case.inputs[i]
-        options = [R] + [Shard(d) for d in range(x.dim()) if x.shape[d] % n == 0]
+        options = [R] + [Shard(d) for d in range(x.dim()) if x.shape[d] % n == 0 or uneven and chunk_fits(x.shape[d], n)]
         options += [Shard(d, g) for d in range(x.dim()) for g in (2, 3) if x.shape[d] % (g * n) == 0]
         if x.is_floating_point():
             options.append(PARTIAL)
@@ -303,3 +317,27 @@ def test_every_strategy_equals_the_unsharded_op(name, data):
             check(case, strategy, n)
         except AssertionError as err:
             raise AssertionError(f"{name} {case.target} on {n} ranks, inputs {cur}: strategy {strategy} is wrong: {err}") from None
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_strategy_on_uneven_shards_equals_the_unsharded_op(name, data):
+    """The same with dims that do not divide, cut in torch.chunk's pieces (uneven='chunk'): every strategy
+    the compiler may pick for them (a view only where it keeps the dim as it is, a mean rescaled by
+    each piece's count, the vocab-parallel ops at each piece's offset) equals the op."""
+    SIZES["now"] = _uneven_sizes
+    try:
+        n = data.draw(st.integers(2, 4), label="ranks")
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+        case = CASES[name](data.draw, n, gen)
+        cur = _placements(data.draw, case, n, uneven=True)
+        for strategy in strategies(case, cur, n, uneven=True):
+            try:
+                check(case, strategy, n, uneven=True)
+            except AssertionError as err:
+                raise AssertionError(
+                    f"{name} {case.target} on {n} ranks, inputs {cur}: strategy {strategy} is wrong: {err}"
+                ) from None
+    finally:
+        SIZES["now"] = _even_sizes

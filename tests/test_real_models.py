@@ -25,6 +25,7 @@ import torch
 
 import meshlib as ml
 from meshlib_torch import compile_model, parallelize
+from meshlib_torch.compiler.call import batch_call, pick_loss
 from meshlib_torch.testing.pool import RankError, get_pool
 from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
 
@@ -77,6 +78,25 @@ def test_parity_with_sequence_parallelism(name):
     results = get_pool(4).run(run_parallel, trial)
     tol = 1e-12 if name == "nanogpt" else 1e-5
     assert_same(_reference(name, trial), results[0], rtol=tol, atol=tol)
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_bf16_compute_is_the_model_run_in_bf16(name):
+    """precision='bf16' on an fp32 model: the first step's loss and gradients are those of the model cast
+    to bf16 and run as it is. torch.export writes the dtypes it traced into the graph (GPT-2's
+    `.to(device)`, Llama's RMSNorm casting back to its input's dtype); the model is traced as it computes."""
+    build, rules, batch, loss = rm.MODELS[name]
+    trial = Trial(build, batch, mesh="dp=2,tp=2", rules=rules, loss=loss, options={"precision": "bf16"}, steps=1)
+    got = get_pool(4).run(run_parallel, trial)[0]
+    model = build().to(torch.bfloat16)
+    args, kwargs = batch_call(batch(0))
+    want = pick_loss(model(*args, **kwargs), loss)
+    want.backward()
+    assert got.losses[0] == pytest.approx(want.item(), rel=1e-3)
+    for n, p in model.named_parameters():  # bf16 keeps 8 bits: sums in other orders differ by a few %
+        scale = float(p.grad.float().abs().max())
+        assert float((got.grads[n].float() - p.grad.float()).abs().max()) <= 0.1 * scale, n
 
 
 # -- plans ------------------------------------------------------------------------------------

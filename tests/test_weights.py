@@ -56,11 +56,12 @@ def _logits(name: str, mesh: str, path: str, options: dict) -> torch.Tensor:
     return par(**rm.hf_batch(0)).detach()
 
 
-CASES = [("dp=2,tp=2", {}), ("tp=2", {"sequence_parallel": True}), ("pp=2", {"microbatches": 2}), ("dp=2", {"zero": 3})]
+CASES = [("dp=2,tp=2", {}), ("tp=2", {"sequence_parallel": True}), ("pp=2", {"microbatches": 2}), ("dp=2", {"zero": 3}),
+         ("tp=3", {"uneven": "chunk"})]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-@pytest.mark.parametrize("mesh, options", CASES, ids=["dp2tp2", "tp2-sp", "pp2", "dp2-zero3"])
+@pytest.mark.parametrize("mesh, options", CASES, ids=["dp2tp2", "tp2-sp", "pp2", "dp2-zero3", "tp3-chunk"])
 def test_a_hugging_face_checkpoint_loads_into_shards(saved, name, mesh, options):
     assert len([f for f in os.listdir(saved[name]) if f.endswith(".safetensors")]) > 1  # sharded, with the index
     build, rules, batch, loss = rm.MODELS[name]
@@ -110,7 +111,7 @@ def _train_and_export(path: str, out: str, mesh: str, options: dict) -> tuple[fl
     return par.evaluate(rm.hf_batch(5)), whole
 
 
-@pytest.mark.parametrize("mesh, options", CASES[:1] + CASES[2:], ids=["dp2tp2", "pp2", "dp2-zero3"])
+@pytest.mark.parametrize("mesh, options", CASES[:1] + CASES[2:], ids=["dp2tp2", "pp2", "dp2-zero3", "tp3-chunk"])
 def test_export_reloads_with_from_pretrained(saved, tmp_path, mesh, options):
     out = str(tmp_path / "exported")
     results = get_pool(ml.Mesh.parse(mesh).size).run(_train_and_export, saved["gpt2"], out, mesh, options)

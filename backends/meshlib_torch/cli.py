@@ -94,21 +94,10 @@ def _idle(args) -> tuple[str, ...]:
     return tuple(a.strip() for a in args.idle_axes.split(",") if a.strip())
 
 
-def _check_uneven(args) -> None:
-    """`--uneven chunk` asks for torch.chunk's block sizes, which the core lays out (`NamedSharding`)
-    but the compiler does not yet: it splits every dim evenly."""
-    if args.uneven != "error":
-        raise ValueError(
-            f"--uneven {args.uneven}: this version's compiler shards dims evenly only. Fix: make each sharded "
-            "dim a multiple of its axes' sizes (pad it, or pick other mesh sizes)"
-        )
-
-
 def _compile(args, *, seq: int):
     """The compiled model for `args` on the meta device (no processes), and the plan's extra notes."""
     from .compiler.compile import compile_model
 
-    _check_uneven(args)
     mesh = Mesh.parse(args.mesh)
     model, rules, inputs, kwargs, notes = _subject(args, mesh, seq)
     compiled = compile_model(
@@ -116,6 +105,7 @@ def _compile(args, *, seq: int):
         sequence_parallel=args.sp, zero=zero_level(args.zero), precision=args.precision or None,
         recompute=args.recompute, estimate_memory=True, microbatches=args.microbatches, schedule=args.schedule,
         chunks=args.chunks, split_points=args.split_points, balance=args.balance, idle_axes=_idle(args),
+        uneven=args.uneven,
     )  # fmt: skip
     return compiled, (("model", args.model), *notes, ("batch x seq", f"{args.batch} x {seq}"))
 
@@ -216,14 +206,13 @@ def run_main(args, argv: list[str] | None = None) -> None:
     from .runtime import dist as mdist
     from .testing.parity import RunConfig, compare, train_parallel, train_reference
 
-    _check_uneven(args)
     run = RunConfig(
         model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch, seq_len=_seq(args, cap=64),
         dtype=args.dtype, lr=args.lr, seed=args.seed, sequence_parallel=args.sp, overrides=_overrides(args),
         zero=zero_level(args.zero), precision=args.precision or "", recompute=args.recompute,
         microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
         split_points=tuple(args.split_points or ()) or None, balance=args.balance, weights=args.weights,
-        export=args.export, idle_axes=_idle(args),
+        export=args.export, idle_axes=_idle(args), uneven=args.uneven,
     )  # fmt: skip
     rank0 = int(os.environ["RANK"]) == 0
     try:

@@ -11,14 +11,12 @@ pieces of each part and the split needs no gather.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.fx as fx
 
 from meshlib import Mesh, P, PatternRules, apply_rules, tree_shardings
-from meshlib.sharding import UNEVEN_FIX
 
 from .bind import bind
 from .placements import PARTIAL, Layout, R, Shard
@@ -59,20 +57,8 @@ def layout_to_spec(layout: Layout, mesh: Mesh, ndim: int) -> P:
     return P(*entries, unreduced=unreduced)
 
 
-@contextlib.contextmanager
-def even_only():
-    """Shape errors without the uneven-shards fix: the compiler lays out even shards only."""
-    try:
-        yield
-    except ValueError as err:
-        if UNEVEN_FIX not in str(err):
-            raise
-        even = " (the compiler splits dims evenly only: uneven shards are not supported yet)"
-        raise ValueError(str(err).replace(UNEVEN_FIX, even)) from None
-
-
 def param_specs(
-    params: dict[str, torch.Tensor], rules, mesh: Mesh, aliases: dict[str, str] | None = None
+    params: dict[str, torch.Tensor], rules, mesh: Mesh, aliases: dict[str, str] | None = None, uneven: str = "error"
 ) -> dict[str, P]:
     """Apply the rules; every spec is checked against the mesh and the parameter's shape.
 
@@ -106,9 +92,25 @@ def param_specs(
     missing = sorted(set(params) - set(specs))
     if missing:
         raise ValueError(f"no spec for parameters {missing}; give every parameter a spec or a rule default")
-    with even_only():  # raises, naming every parameter that does not fit
-        tree_shardings(params, {n: specs[n] for n in params}, mesh)
+    tree_shardings(params, {n: specs[n] for n in params}, mesh, uneven=uneven)  # raises, naming every misfit
+    if uneven != "error":
+        for name, p in params.items():
+            check_single_axis_uneven(mesh, specs[name], tuple(p.shape), f"parameter {name!r}")
     return specs
+
+
+def check_single_axis_uneven(mesh: Mesh, spec: P, shape: tuple[int, ...], what: str) -> None:
+    """An uneven dim may be split over one mesh axis only: over several, DTensor cuts a chunk of a chunk
+    (nested Shards) while the core's NamedSharding cuts one chunk of the axes' product, so the two would
+    disagree on what each rank holds."""
+    for dim, size in enumerate(shape):
+        axes = spec.dim_axes(dim)
+        if len(axes) > 1 and size % mesh.axis_size(axes):
+            raise ValueError(
+                f"{what}: dim {dim} of shape {shape} is split unevenly over several mesh axes {axes} by "
+                f"{spec!r}; uneven='chunk' splits an uneven dim over one axis only. Fix: make dim {dim} a "
+                f"multiple of {mesh.axis_size(axes)}, or split it over one axis"
+            )
 
 
 def fuse_groups(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
@@ -149,7 +151,13 @@ def fuse_groups(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
     return out
 
 
-def with_groups(layout: Layout, group: tuple[int, int]) -> Layout:
-    """A fused projection's layout: a shard of its output dim holds whole parts (`Shard(dim, k)`)."""
+def with_groups(layout: Layout, group: tuple[int, int], mesh: Mesh | None = None, shape=None) -> Layout:
+    """A fused projection's layout: a shard of its output dim holds whole parts (`Shard(dim, k)`). Where
+    the parts do not divide over the axes that split them (4 heads' q, k and v over tp=3), the layout is
+    kept as declared, a plain shard: the parts are then gathered before the split."""
     dim, k = group
+    if shape is not None and mesh is not None:
+        ways = math.prod(n for p, n in zip(layout, mesh.axis_sizes) if isinstance(p, Shard) and p.dim == dim)
+        if (shape[dim] // k) % ways:
+            return layout
     return tuple(Shard(p.dim, k) if isinstance(p, Shard) and p.dim == dim and p.groups == 1 else p for p in layout)

@@ -9,18 +9,21 @@ several. Either way the result is one `Compiled` that the runtime carries out.
 from __future__ import annotations
 
 import difflib
+import math
 
 import torch
 
 from meshlib import Mesh, P, Precision
 from meshlib.cost import zero_level
+from meshlib.sharding import UNEVEN_POLICIES
 
 from .call import Call, LossSpec, bind_call
 from .graph import compile_graph
 from .pipeline import compile_pipeline
 from .placements import Shard
-from .program import Compiled, Options, check_recompute
+from .program import Compiled, Options, check_recompute, input_layouts
 from .records import step_collectives
+from .shapes import ragged_dims
 
 
 def compile_model(
@@ -49,6 +52,7 @@ def compile_model(
     estimate_memory: bool = False,
     allow_data_gather: bool = False,
     idle_axes: tuple[str, ...] = (),
+    uneven: str = "error",
 ) -> Compiled:
     """Compile `model` for `mesh`: no processes, no real memory (the model may be on meta).
 
@@ -68,16 +72,21 @@ def compile_model(
     over a data axis is an error unless `allow_data_gather`. A mesh axis nothing is split over (no
     parameter, no input, not the pipeline's) is an error unless named in `idle_axes`: every rank
     along it would repeat the same work. `estimate_memory` adds the dry
-    run's peak to the plan.
+    run's peak to the plan. `uneven="chunk"` lets a dim that does not divide over its axis be cut in
+    torch.chunk's sizes (DTensor's Shard), as `NamedSharding(..., uneven="chunk")` lays it out: the
+    first ranks hold one more row, and collectives over it move it padded to equal pieces.
     """
     options = Options(
         zero_level(zero), _precision(model, precision), check_recompute(recompute), tuple(replicate_axes),
-        allow_data_gather,
+        allow_data_gather, _uneven(uneven),
     )  # fmt: skip
     call = example_inputs
     if not isinstance(call, Call):
         call = bind_call(model, example_inputs, example_kwargs, loss=loss)
     _check_microbatches(call, microbatches)
+    if microbatches > 1 and uneven != "error":
+        layouts = input_layouts(call.tensors, in_specs, mesh, options.replicate_axes, uneven)
+        _check_ragged_batch(layouts, mesh, call, microbatches)
     common = dict(mesh=mesh, rules=rules, options=options, in_specs=in_specs, sequence_parallel=sequence_parallel)
     if pp_axis in mesh and mesh.axis_size(pp_axis) > 1:
         compiled = compile_pipeline(
@@ -95,6 +104,21 @@ def compile_model(
     )
     _check_axes_used(compiled, pp_axis, idle_axes)
     return compiled
+
+
+def _check_ragged_batch(layouts: dict, mesh: Mesh, call: Call, microbatches: int) -> None:
+    """A batch cut unevenly over the data axes cannot also be cut into microbatches: each rank's
+    microbatch would not be the piece of the global microbatch the graph was compiled for."""
+    for name, x in call.tensors.items():
+        layout = layouts.get(name)
+        micro = (x.shape[0] // microbatches, *x.shape[1:])
+        if layout is not None and x.dim() and 0 in ragged_dims(micro, layout, mesh.axis_sizes):
+            ways = math.prod(n for p, n in zip(layout, mesh.axis_sizes) if p == Shard(0))
+            raise ValueError(
+                f"input {name!r}: its microbatch of {micro[0]} does not divide over the {ways} data-parallel "
+                f"ranks, and uneven='chunk' does not cut a batch that is also cut into {microbatches} "
+                f"microbatches. Fix: make the batch a multiple of {microbatches * ways}, or use microbatches=1"
+            )
 
 
 CANONICAL_AXES = ("dp", "tp", "pp", "ep", "cp")
@@ -121,6 +145,12 @@ def _check_axes_used(compiled: Compiled, pp_axis: str, idle_axes: tuple[str, ...
         f"{used_text}. Fix: rename the axis, write rules that shard over it, or pass idle_axes={tuple(idle)!r} "
         f"(--idle-axes {','.join(idle)}) if pure replication is what you want"
     )
+
+
+def _uneven(value: str) -> str:
+    if value not in UNEVEN_POLICIES:
+        raise ValueError(f"uneven={value!r}: choose one of {UNEVEN_POLICIES}")
+    return value
 
 
 def _precision(model: torch.nn.Module, precision) -> Precision:

@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from meshlib import Boundary, Collective, Mesh, P, Plan, Precision
 from meshlib.cost import zero_level
+from meshlib.sharding import UNEVEN_FIX
 
 from ..torch_private import pytree
 from . import annotate as _annotate
@@ -224,7 +225,7 @@ def _boundary(name: str, t: torch.Tensor, grad: bool) -> Boundary:
 def split_eager(
     model: nn.Module, /, *, reason: Untraceable, mesh: Mesh, call: Call, layers: list[str], ranges,
     costs: LayerCosts, in_specs=None, zero=0, precision: Precision | None = None, recompute: str = "none",
-    sequence_parallel: bool = False, pp_axis: str = "pp", microbatches: int = 1,
+    sequence_parallel: bool = False, pp_axis: str = "pp", microbatches: int = 1, uneven: str = "error",
 ):  # fmt: skip
     """`(compiled, stages)` for an untraceable model: its `EagerStages` and a `Compiled` without a
     graph (what the runtime reads: parameters, layouts, inputs, options, the plan). `call` is the
@@ -232,7 +233,15 @@ def split_eager(
     from .program import data_axes, input_layouts
 
     names = call.names
-    in_layouts = input_layouts(call.tensors, in_specs, mesh)
+    try:
+        in_layouts = input_layouts(call.tensors, in_specs, mesh)
+    except ValueError as err:
+        if uneven == "error":
+            raise
+        raise ValueError(
+            f"{str(err).replace(UNEVEN_FIX, '')}. uneven={uneven!r} needs the traced graph: this model runs by module "
+            "FQN, whose stages take even pieces only"
+        ) from None
     data = data_axes(in_layouts, mesh)
     _check_supported(reason, mesh, pp_axis, data, zero, sequence_parallel, recompute)
     own = next(model.parameters()).dtype

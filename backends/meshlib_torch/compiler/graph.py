@@ -23,10 +23,12 @@ from .call import Call
 from .dryrun import dry_peak
 from .localize import fold_scalars, localize
 from .moe import check_not_moe
+from .placements import Shard
 from .program import Compiled, Options, check_zero, data_axes, input_layouts, model_state
 from .propagate import Axes, propagate
 from .records import plan_of, with_data_parallel
 from .redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
+from .shapes import ragged_dims
 from .split import layer_paths, partition
 from .trace import trace
 from .values import annotate_run_dtypes
@@ -79,6 +81,12 @@ def _refuse_data_gathers(comms: list[CommSpec], plans, axes: Axes, data: tuple[s
             f"{list(spec.shape)} whole over data axis {axis!r}: {why}"
         )
     more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+    if axes.uneven and any(0 in ragged_dims(spec.shape, spec.src, axes.sizes) for spec, _, _ in found):
+        more += (
+            ". The batch is cut unevenly over the data axes (uneven='chunk'): an op that merges or splits the "
+            "batch dim (a view) cannot take torch.chunk's pieces, and a batch that would leave a rank no row is "
+            "not cut. Fix first: make the batch a multiple of the data-parallel size"
+        )
     raise ValueError(
         "data parallelism would collapse: " + "; ".join(lines) + more + ". Gathering an activation over a "
         "data-parallel axis makes every rank of it compute the whole batch from there on. Fix: write that part of "
@@ -87,17 +95,20 @@ def _refuse_data_gathers(comms: list[CommSpec], plans, axes: Axes, data: tuple[s
 
 
 def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, options, count_flops) -> Compiled:
-    traced = trace(model, call, count_flops=count_flops)
+    traced = trace(model, call, count_flops=count_flops, compute=getattr(torch, options.precision.param))
     gm = traced.gm
+    fold_scalars(gm)  # first: export's dtype asserts name the traced dtypes, not the compute dtype's
     annotate_run_dtypes(gm, call, getattr(torch, options.precision.param))
-    fold_scalars(gm)
-    specs = _annotate.param_specs(traced.params, rules, mesh, traced.aliases)
+    specs = _annotate.param_specs(traced.params, rules, mesh, traced.aliases, options.uneven)
     groups = _annotate.fuse_groups(gm)
     layouts = {n: _annotate.spec_to_layout(s, mesh) for n, s in specs.items()}
-    layouts = {n: _annotate.with_groups(lay, groups[n]) if n in groups else lay for n, lay in layouts.items()}
+    declared = layouts
+    layouts = {n: _annotate.with_groups(lay, groups[n], mesh, traced.params[n].shape) if n in groups else lay
+               for n, lay in layouts.items()}  # fmt: skip
+    plain = sorted(n for n in groups if layouts[n] == declared[n] and Shard(groups[n][0]) in declared[n])
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    in_layouts = input_layouts(call.tensors, in_specs, mesh, options.replicate_axes)
-    axes = _axes(mesh, sp, tp_axis, seq_dim, call)
+    in_layouts = input_layouts(call.tensors, in_specs, mesh, options.replicate_axes, options.uneven)
+    axes = _axes(mesh, sp, tp_axis, seq_dim, call, options.uneven == "chunk")
     data = data_axes(in_layouts, mesh)
     check_zero(options.zero, data, mesh)
     bad = [a for a in options.replicate_axes if a not in data]
@@ -122,6 +133,9 @@ def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, opt
     gm.graph.lint()
     plan = plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts)
     plan = with_data_parallel(plan, data, options)
+    if plain:
+        note = ", ".join(plain) + ": the parts do not divide over the axes, so the split reads the output gathered"
+        plan = plan.replace(notes=(*plan.notes, ("fused projections split as declared", note)))
     buffers = {n: b for n, b in gm.named_buffers()}
     compiled = Compiled(
         mesh, axes, gm.graph, traced, comms, specials, specs, layouts, in_layouts, names, plan, buffers, plans
@@ -132,12 +146,12 @@ def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, opt
     return compiled
 
 
-def _axes(mesh: Mesh, sp: bool, tp_axis: str, seq_dim: int, call: Call) -> Axes:
+def _axes(mesh: Mesh, sp: bool, tp_axis: str, seq_dim: int, call: Call, uneven: bool = False) -> Axes:
     slice_dims = ()
     if sp and tp_axis in mesh:
         seq = tuple(next(iter(call.tensors.values())).shape)[seq_dim]
         slice_dims = ((tp_axis, seq_dim, seq),)
-    return Axes(mesh.axis_names, mesh.axis_sizes, slice_dims)
+    return Axes(mesh.axis_names, mesh.axis_sizes, slice_dims, uneven)
 
 
 __all__ = ["compile_graph"]

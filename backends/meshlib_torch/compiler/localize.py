@@ -20,7 +20,7 @@ import torch.fx as fx
 from .bind import aten, bind, dims_arg
 from .placements import Partial, Pending, Shard
 from .propagate import Axes, NodePlan
-from .shapes import local_shape
+from .shapes import local_shape, ragged_dims
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,30 @@ def _local_out(plan: NodePlan, axes: Axes) -> tuple[int, ...]:
 
 def _reshape(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes, method: str) -> None:
     shape = _local_out(plan, axes)
+    ragged = ragged_dims(plan.view.out_shape, plan.out, axes.sizes)
     with gm.graph.inserting_before(node):
-        new = gm.graph.call_method(method, (plan.view.tensors[0], *shape))
+        if ragged:  # a dim whose size differs by rank keeps the input's size, read when it runs
+            src = {o.dim: i.dim for i, o in zip(plan.need[0], plan.out) if isinstance(o, Shard) and o.dim in ragged}
+            template = tuple(("dim", src[d]) if d in ragged else size for d, size in enumerate(shape))
+            new = gm.graph.call_function(sized, (plan.view.tensors[0], method, template))
+        else:
+            new = gm.graph.call_method(method, (plan.view.tensors[0], *shape))
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
+
+
+def sized(x: torch.Tensor, method: str, template: tuple) -> torch.Tensor:
+    """`x.reshape(*shape)` or `x.expand(*shape)`, where an entry `("dim", d)` is `x`'s own size of dim d
+    (a dim cut unevenly, whose size is this rank's)."""
+    return getattr(x, method)(*(x.shape[t[1]] if isinstance(t, tuple) else t for t in template))
+
+
+def share_of_mean(mean: torch.Tensor, x: torch.Tensor, dims: tuple[int, ...], total: int) -> torch.Tensor:
+    """The mean of this rank's piece of `x` over `dims`, as its share of the mean over the whole (`total`
+    elements): times the piece's count over the total; an empty piece adds nothing."""
+    local = math.prod(x.shape[d] for d in dims)
+    return mean * (local / total) if local else torch.zeros_like(mean)
 
 
 def _split(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes) -> None:
@@ -106,15 +125,21 @@ def _split(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes) -> Non
 
 
 def _rescale_mean(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes) -> None:
-    """mean over a sharded dim: the local mean times local/global count (even shards)."""
+    """mean over a sharded dim: the local mean times local/global count (`share_of_mean` where the
+    pieces differ by rank)."""
     x_layout = plan.need[0]
     nd = len(plan.view.shape(plan.view.tensors[0]))
     dims = dims_arg(plan.view.p, nd) or tuple(range(nd))
     ways = math.prod(n for p, n in zip(x_layout, axes.sizes) if isinstance(p, Shard) and p.dim in dims)
     if ways == 1:
         return
+    shape = plan.view.shape(plan.view.tensors[0])
     with gm.graph.inserting_after(node):
-        scaled = gm.graph.call_function(operator.mul, (node, 1.0 / ways))
+        if ragged_dims(shape, x_layout, axes.sizes) & set(dims):
+            total = math.prod(shape[d] for d in dims)
+            scaled = gm.graph.call_function(share_of_mean, (node, plan.view.tensors[0], tuple(dims), total))
+        else:
+            scaled = gm.graph.call_function(operator.mul, (node, 1.0 / ways))
     scaled.meta = dict(node.meta)
     node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
 
@@ -122,7 +147,7 @@ def _rescale_mean(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes)
 def _vocab_args(plan: NodePlan, axes: Axes) -> dict:
     axis = next(a for a, i, w in zip(axes.names, *plan.need) if w == Shard(0) and not isinstance(i, Shard))
     vocab = plan.view.shape(plan.view.tensors[1])[0]
-    return {"axis": axis, "local_vocab": vocab // _sizes(axes)[axis]}
+    return {"axis": axis, "vocab": vocab, "ways": _sizes(axes)[axis]}
 
 
 def _ce_args(plan: NodePlan, axes: Axes) -> dict:
@@ -140,7 +165,8 @@ def _ce_args(plan: NodePlan, axes: Axes) -> dict:
         "itemsize": 4 if val.dtype in (torch.float16, torch.bfloat16) else val.element_size(),
         "vocab_axis": vocab[0] if vocab else None,
         "rows_axes": tuple(rows),
-        "local_classes": n_classes // vocab_size,
+        "classes": n_classes,
+        "vocab_ways": vocab_size,
         "reduction": reduction,
         "ignore_index": plan.view.p.get("ignore_index", -100),
         "output_partial": tuple(a for a, p in zip(axes.names, plan.out) if isinstance(p, Partial)),

@@ -8,7 +8,11 @@
   bias once, after the sum (under autocast the bias is cast to the autocast
   dtype, as the fused op would);
 - `x.view(-1, k) @ w`, viewed back, becomes `x @ w` on `x` as it is, so that a
-  sequence shard survives it.
+  sequence shard survives it;
+- a move to the tracing device (export's `to.dtype_layout` from `x.to(device)`,
+  which also names the dtype `x` had when traced) keeps `x` as it is, and a cast
+  that also names a device keeps only its dtype: every rank computes on one
+  device, and under bf16 compute such a move must not cast back to fp32.
 """
 
 from __future__ import annotations
@@ -190,4 +194,34 @@ def _is_view(node: fx.Node) -> bool:
 
 
 
-__all__ = ["canonicalize_attrs", "inline_leaf_modules", "split_addmm", "split_linear_bias", "unflatten_matmuls"]
+def drop_device_moves(gm: fx.GraphModule) -> None:
+    """Export's device arguments are the tracing device's; see the module docstring."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        x = node.args[0]
+        traced = x.meta.get("val")
+        if node.target is aten.to.dtype_layout and "device" in node.kwargs:
+            if torch.is_tensor(traced) and node.kwargs.get("dtype") in (None, traced.dtype):
+                node.replace_all_uses_with(x)
+                gm.graph.erase_node(node)
+                continue
+            new = (aten.to.dtype, (x, node.kwargs["dtype"]))
+        elif node.target is aten.to.device and len(node.args) > 2:
+            new = (aten.to.dtype, (x, node.args[2]))
+        elif node.target is aten._to_copy.default and "device" in node.kwargs:
+            new = (aten._to_copy.default, node.args, {k: v for k, v in node.kwargs.items() if k != "device"})
+        else:
+            continue
+        with gm.graph.inserting_before(node):
+            moved = gm.graph.call_function(*new)
+        moved.meta = dict(node.meta)
+        node.replace_all_uses_with(moved)
+        gm.graph.erase_node(node)
+
+
+__all__ = [
+    "canonicalize_attrs", "drop_device_moves", "inline_leaf_modules", "split_addmm", "split_linear_bias",
+    "unflatten_matmuls",
+]  # fmt: skip

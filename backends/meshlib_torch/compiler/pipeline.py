@@ -29,7 +29,7 @@ from .graph import compile_graph
 from .program import Compiled, Options, fsdp_whole, model_state
 from .records import dp_collectives, graph_collectives
 from .split import layer_paths
-from .stages import build_stages, rank_params
+from .stages import build_stages, param_holders, rank_params
 from .trace import Untraceable
 
 GATHERED = (
@@ -61,7 +61,7 @@ def compile_pipeline(
         compiled, stages = split_eager(
             model, reason=reason, mesh=mesh, call=micro, layers=layers, ranges=ranges, costs=costs,
             in_specs=in_specs, zero=options.zero, precision=options.precision, recompute=options.recompute,
-            sequence_parallel=sequence_parallel, pp_axis=pp_axis, microbatches=microbatches,
+            sequence_parallel=sequence_parallel, pp_axis=pp_axis, microbatches=microbatches, uneven=options.uneven,
         )  # fmt: skip
         split = "by module FQN on the eager model"
     else:
@@ -131,7 +131,7 @@ def stage_collectives(compiled, stages, core, m: int, pp_axis: str) -> list[Coll
     else:  # the eager stages' one collective: the loss's mean over the data axes, on the last stage
         out += [dataclasses.replace(c, pp_rank=place[-1]) for c in compiled.plan.collectives if c.op == "loss"]
     held = rank_params(stages, place)
-    holders = {name: {r for r, names in enumerate(held) if name in names} for name in set().union(*held)}
+    holders = param_holders(stages, place)
     opts = compiled.options
     zero = 2 if opts.zero == 3 else opts.zero  # kept gathered from the first microbatch to the last
     whole = fsdp_whole(compiled) if zero >= 2 else set()

@@ -128,14 +128,15 @@ class Pending(__import__("torch").nn.Module):
         )
 
 
-def zero1_shard_dim(local_shape: tuple[int, ...], n: int, layout) -> int | None:
+def zero1_shard_dim(local_shape: tuple[int, ...], n: int, layout, ragged=frozenset()) -> int | None:
     """The dim of a local shard ZeRO-1 splits over `n` data-parallel ranks.
 
     First choice: a dim that divides evenly, and not one some axis splits in groups (a fused
     projection, whose local rows are not contiguous). Else the longest dim no other axis splits,
     unevenly, in torch.chunk's sizes as DTensor's Shard and FSDP2 use (see `chunk_rows`). None
-    (a scalar, or every dim already split by another axis): each rank keeps the whole tensor."""
-    grouped = {p.dim for p in layout if isinstance(p, Shard) and p.groups > 1}
+    (a scalar, or every dim already split by another axis): each rank keeps the whole tensor. A dim
+    another axis cuts unevenly (`ragged`) is never split again: DTensor cannot describe the nesting."""
+    grouped = {p.dim for p in layout if isinstance(p, Shard) and p.groups > 1} | set(ragged)
     fits = [d for d, size in enumerate(local_shape) if size % n == 0 and size >= n and d not in grouped]
     if fits:
         return fits[0]
@@ -152,11 +153,11 @@ def chunk_rows(size: int, n: int, rank: int) -> tuple[int, int]:
     return start, min(step, size - start)
 
 
-def zero1_split(local_shape: tuple[int, ...], n: int, layout) -> tuple[int, int] | None:
+def zero1_split(local_shape: tuple[int, ...], n: int, layout, ragged=frozenset()) -> tuple[int, int] | None:
     """ZeRO-1 over `n` ranks on a tensor of this local shape: (elements of the largest piece, which
     is rank 0's; elements of the tensor padded to `n` equal pieces, which the collectives move).
     None when every rank keeps it whole."""
-    d = zero1_shard_dim(local_shape, n, layout)
+    d = zero1_shard_dim(local_shape, n, layout, ragged)
     if d is None:
         return None
     row = math.prod(local_shape) // local_shape[d]

@@ -18,12 +18,12 @@ import torch.fx as fx
 from meshlib import Memory, Mesh, NamedSharding, P, Plan, Precision
 from meshlib.cost import fsdp2_memory, zero_memory
 
-from .annotate import even_only, spec_to_layout
+from .annotate import check_single_axis_uneven, spec_to_layout
 from .localize import SpecialSpec
 from .placements import Layout, Shard, zero1_split
 from .propagate import Axes, NodePlan
 from .redistribute import CommSpec
-from .shapes import shard_indices
+from .shapes import ragged_dims, shard_indices
 from .trace import Traced
 
 RECOMPUTE = ("none", "block", "selective")
@@ -36,6 +36,7 @@ class Options:
     recompute: str
     replicate_axes: tuple[str, ...]
     allow_data_gather: bool = False
+    uneven: str = "error"  # or "chunk": a dim that does not divide is cut in torch.chunk's sizes
 
 
 def check_recompute(value: str) -> str:
@@ -117,7 +118,9 @@ def check_zero(zero: int, data: tuple[str, ...], mesh: Mesh) -> None:
         )
 
 
-def input_layouts(tensors: dict[str, torch.Tensor], in_specs, mesh: Mesh, replicate_axes=()) -> dict[str, Layout]:
+def input_layouts(
+    tensors: dict[str, torch.Tensor], in_specs, mesh: Mesh, replicate_axes=(), uneven: str = "error"
+) -> dict[str, Layout]:
     """Each input's layout: its spec from `in_specs` (by name, or in order), else the batch split over dp."""
     names = list(tensors)
     if in_specs is None:
@@ -130,8 +133,9 @@ def input_layouts(tensors: dict[str, torch.Tensor], in_specs, mesh: Mesh, replic
     out = {}
     for name, x in tensors.items():
         spec = in_specs.get(name, P())
-        with even_only():
-            NamedSharding(mesh, spec).check(tuple(x.shape), path=f"input {name!r}")
+        NamedSharding(mesh, spec, uneven=uneven).check(tuple(x.shape), path=f"input {name!r}")
+        if uneven != "error":
+            check_single_axis_uneven(mesh, spec, tuple(x.shape), f"input {name!r}")
         out[name] = spec_to_layout(spec, mesh)
     return out
 
@@ -233,7 +237,9 @@ def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
         return {}
     out = {}
     for name in compiled.traced.params:
-        split = zero1_split(compiled.local_param_shape(name), n, compiled.param_layouts[name])
+        layout = compiled.param_layouts[name]
+        ragged = ragged_dims(tuple(compiled.traced.params[name].shape), layout, compiled.axes.sizes)
+        split = zero1_split(compiled.local_param_shape(name), n, layout, ragged)
         out[name] = None if split is None else split[0]
     return out
 

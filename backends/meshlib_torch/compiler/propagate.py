@@ -38,6 +38,7 @@ class Axes:
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     slice_dims: tuple[tuple[str, int, int], ...] = ()  # (axis, dim, size): outputs may be sharded here
+    uneven: bool = False  # a dim that does not divide may be cut in torch.chunk's sizes (uneven="chunk")
 
 
 # Moving a parameter (all-gathering a weight every step) is the last resort: it is
@@ -55,14 +56,14 @@ def _full_bytes(val, layout: Layout, axes: Axes, axis_i: int) -> float:
     return _bytes(val) / ways
 
 
-def _choose(view: OpView, cur: list[Layout], axes: Axes, i: int, shape_after: list, avail: dict) -> Strategy:
+def _choose(view: OpView, cur: list[Layout], axes: Axes, i: int, shape_after: list, avail: dict, cut=None) -> Strategy:
     n, name = axes.sizes[i], axes.names[i]
     cur_i = [lay[i] for lay in cur]
     shape = tuple(view.out.shape) if torch.is_tensor(view.out) else ()
     hint = [Shard(d) for a, d, size in axes.slice_dims if a == name and len(shape) > d and shape[d] == size]
     best, best_cost = None, INF
     for strat in RULES.get(view.kind, RULES["unknown"])(view, cur_i, hint):
-        if not fits(view, strat, n, shape_after):
+        if not fits(view, strat, n, shape_after, axes.uneven, cut):
             continue
         total = 0.0
         # a new activation shard may start only where the op's output lands on a slice dim
@@ -82,14 +83,49 @@ def _choose(view: OpView, cur: list[Layout], axes: Axes, i: int, shape_after: li
     return best
 
 
-def fits(view: OpView, strat: Strategy, n: int, shape_after: list) -> bool:
-    """Every shard in the strategy divides its (already locally sharded) dim evenly."""
+def fits(view: OpView, strat: Strategy, n: int, shape_after: list, uneven: bool = False, cut=None) -> bool:
+    """Every shard in the strategy divides its (already locally sharded) dim evenly. With `uneven`, a
+    plain shard of a dim that no earlier axis cut may take torch.chunk's sizes where the op computes
+    each position of that dim alone (`_chunk_safe`). `cut`, per input then the output: the dims earlier
+    axes cut, each mapped to whether they cut it evenly. An uneven dim is cut by one axis only, so that
+    every rank of a collective over it holds pieces of the same whole."""
     outs = strat.output if isinstance(strat.output, tuple) else (strat.output,)
     out_vals = view.out if isinstance(view.out, (list, tuple)) else [view.out]
-    for p, shape in zip(strat.inputs, shape_after[: len(strat.inputs)]):
-        if not divides(shape, p, n):
+    ins = list(zip(strat.inputs, shape_after[: len(strat.inputs)]))
+    even_out = all(divides(tuple(v.shape), p, n) for p, v in zip(outs, out_vals))
+    if even_out and all(divides(shape, p, n) for p, shape in ins):
+        return True
+    if not uneven:
+        return False
+    local_out = view.local[1] if view.local is not None else None
+    pairs = ins + [(p, local_out or tuple(v.shape)) for p, v in zip(outs, out_vals)]
+    cut = cut or [{}]
+    for k, (p, shape) in enumerate(pairs):
+        before = cut[min(k, len(cut) - 1)].get(p.dim) if isinstance(p, Shard) else None
+        if before is False:
+            return False  # a dim an earlier axis cut unevenly is cut no further
+        if not divides(shape, p, n) and (before is not None or not divides(shape, p, n, uneven=True)):
             return False
-    return all(divides(tuple(v.shape), p, n) for p, v in zip(outs, out_vals))
+    return _chunk_safe(view, strat, shape_after)
+
+
+def _chunk_safe(view: OpView, strat: Strategy, shape_after: list) -> bool:
+    """An uneven shard is right only where the op keeps the sharded dim as it is: a view may not merge
+    or split it (torch.chunk's pieces of a merged dim are not the merged pieces), and repeat_interleave
+    may not repeat along it. Every other rule keeps a shard on a dim of the same size."""
+    if view.kind == "view":
+        s, o = strat.inputs[0], strat.output
+        if not isinstance(s, Shard):
+            return True
+        src, dst = shape_after[0], view.local[1] if view.local else view.out_shape
+        return (
+            isinstance(o, Shard) and src[s.dim] == dst[o.dim]
+            and math.prod(src[: s.dim]) == math.prod(dst[: o.dim])
+        )  # fmt: skip
+    if view.kind == "repeat_interleave":
+        dim = view.p.get("dim")
+        return not any(isinstance(s, Shard) and s.dim == dim % len(view.out_shape) for s in strat.inputs)
+    return True
 
 
 def _local_shapes(view: OpView, cur: list[Layout], axes: Axes, upto: int) -> list:
@@ -98,7 +134,7 @@ def _local_shapes(view: OpView, cur: list[Layout], axes: Axes, upto: int) -> lis
         shape = list(x.meta["val"].shape)
         for p, n in zip(lay[:upto], axes.sizes[:upto]):
             if isinstance(p, Shard) and p.dim < len(shape):
-                shape[p.dim] //= n
+                shape[p.dim] = -(-shape[p.dim] // n)  # the largest piece, torch.chunk's first
         out.append(tuple(shape))
     return out
 
@@ -135,12 +171,21 @@ def propagate(
     return plans
 
 
+def _cut(shape: tuple[int, ...], layout, axes: Axes) -> dict[int, bool]:
+    """The dims the (first axes') placements of `layout` cut, each mapped to: evenly?"""
+    ways: dict[int, int] = {}
+    for p, n in zip(layout, axes.sizes):
+        if isinstance(p, Shard) and p.dim < len(shape):
+            ways[p.dim] = ways.get(p.dim, 1) * n
+    return {d: shape[d] % w == 0 for d, w in ways.items()}
+
+
 def _shrunk(shape: tuple[int, ...], layout, axes: Axes) -> tuple[int, ...]:
     """`shape` after the shards of `layout` (the first axes' placements)."""
     out = list(shape)
     for p, n in zip(layout, axes.sizes):
         if isinstance(p, Shard) and p.dim < len(out):
-            out[p.dim] //= n
+            out[p.dim] = -(-out[p.dim] // n)
     return tuple(out)
 
 
@@ -158,7 +203,11 @@ def _plan_op(view: OpView, plans: dict, axes: Axes, avail: dict) -> NodePlan:
         shapes = _local_shapes(view, [tuple(x) for x in need], axes, i)
         if not multi:
             view.local = (shapes, _shrunk(tuple(view.out.shape), out_per_axis, axes))
-        strat = _choose(view, cur, axes, i, shapes, avail)
+        cut = None
+        if axes.uneven:
+            cut = [_cut(tuple(x.meta["val"].shape), lay[:i], axes) for x, lay in zip(view.tensors, need)]
+            cut.append({} if multi else _cut(tuple(view.out.shape), out_per_axis, axes))
+        strat = _choose(view, cur, axes, i, shapes, avail, cut)
         view.local = None
         for x, lay, p in zip(view.tensors, need, strat.inputs):
             lay[i] = p

@@ -24,7 +24,7 @@ from .placements import zero1_split
 from .program import Options, deferred_loss, fsdp_whole
 from .propagate import Axes
 from .redistribute import collective_records
-from .shapes import local_shape
+from .shapes import local_shape, ragged_dims
 from .source import source_line
 from .trace import Traced
 
@@ -152,7 +152,8 @@ def with_data_parallel(plan: Plan, data: tuple[str, ...], options: Options) -> P
     if options.replicate_axes:
         notes["hsdp replicate axes"] = ",".join(options.replicate_axes)
     return plan.replace(
-        zero=options.zero, precision=options.precision, recompute=options.recompute, notes=tuple(notes.items())
+        zero=options.zero, precision=options.precision, recompute=options.recompute, notes=tuple(notes.items()),
+        uneven=options.uneven,
     )
 
 
@@ -182,7 +183,7 @@ def dp_collectives(
         zero = 0 if name in whole else options.zero if level is None else level
         numel = math.prod(local)
         if zero == 1 and n_shard > 1:
-            split = zero1_split(local, n_shard, layouts[name])
+            split = zero1_split(local, n_shard, layouts[name], ragged_dims(tuple(p.shape), layouts[name], axes.sizes))
             if split is None:
                 zero = 0  # kept whole: its gradient is all-reduced
             else:

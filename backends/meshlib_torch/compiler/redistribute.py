@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .placements import PARTIAL, Layout, Partial, Pending, R, Replicate, bus_bytes, kind, natural_grad
+from .placements import PARTIAL, Layout, Pending, R, Replicate, Shard, bus_bytes, kind, natural_grad
 from .propagate import Axes, NodePlan
+from .shapes import padded
 from .source import source_line
 from .values import run_dtype
 
@@ -197,13 +198,8 @@ def collective_records(specs: list[CommSpec], axes: Axes) -> list[dict]:
         for phase in ("forward", "backward"):
             for k, axis, a, b in spec.steps(axes, phase):
                 lay = spec.src if phase == "forward" else spec.grad_dst
-                ways = math.prod(
-                    n
-                    for name, p, n in zip(axes.names, lay, axes.sizes)
-                    if name != axis and not isinstance(p, (Replicate, Partial))
-                )
-                payload = math.prod(spec.shape) * itemsize // ways
                 n = dict(zip(axes.names, axes.sizes))[axis]
+                payload = math.prod(_moved_shape(spec.shape, lay, axes, axis, a, b)) * itemsize
                 out.append(
                     dict(
                         kind=k, axes=(axis,), bytes=int(payload), node=spec.producer, op=spec.op, source=spec.source,
@@ -211,6 +207,22 @@ def collective_records(specs: list[CommSpec], axes: Axes) -> list[dict]:
                         consumer=spec.consumer,
                     )
                 )  # fmt: skip
+    return out
+
+
+def _moved_shape(shape, layout: Layout, axes: Axes, axis: str, a, b) -> list[int]:
+    """The value one step on `axis` moves per rank: the other axes' shards cut (the largest piece), this
+    axis whole, a dim it cuts unevenly padded to equal pieces (as `runtime.comm.moved_bytes`)."""
+    out = list(shape)
+    n = 1
+    for name, p, size in zip(axes.names, layout, axes.sizes):
+        if name == axis:
+            n = size
+        elif isinstance(p, Shard):
+            out[p.dim] = -(-out[p.dim] // size)
+    for p in (a, b):
+        if isinstance(p, Shard):
+            out[p.dim] = padded(out[p.dim], n)
     return out
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .placements import Layout, Shard
+from .placements import Layout, Shard, chunk_rows
 
 
 def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
@@ -94,33 +94,64 @@ def index_dim_map(shape: Sequence[int], index) -> dict[int, int | None] | None:
     return out
 
 
-def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int]) -> tuple[int, ...]:
-    """The shape each rank holds of a value of global `shape` (activations divide evenly)."""
+def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int], coords=None) -> tuple[int, ...]:
+    """The shape the rank at `coords` (default: coordinate 0 on every axis, the largest piece) holds
+    of a value of global `shape`. A dim that does not divide is cut in torch.chunk's sizes, as
+    DTensor's Shard cuts it (only plain shards: propagation allows no other uneven ones)."""
     out = list(shape)
-    for p, n in zip(layout, sizes):
+    for i, (p, n) in enumerate(zip(layout, sizes)):
         if isinstance(p, Shard):
-            if out[p.dim] % (n * p.groups) and out[p.dim] % n:
-                raise ValueError(f"dim {p.dim} of {tuple(shape)} does not divide over {n} ranks")
-            out[p.dim] //= n
+            if out[p.dim] % (n * p.groups) == 0 or (p.groups > 1 and out[p.dim] % n == 0):
+                out[p.dim] //= n
+            elif p.groups == 1:
+                out[p.dim] = chunk_rows(out[p.dim], n, coords[i] if coords else 0)[1]
+            else:
+                raise ValueError(f"dim {p.dim} of {tuple(shape)} does not divide over {n} ranks in {p.groups} groups")
     return tuple(out)
 
 
-def divides(shape: Sequence[int], p, n: int) -> bool:
+def ragged_dims(shape: Sequence[int], layout: Layout, sizes: Sequence[int]) -> set[int]:
+    """The dims of a value of global `shape` that `layout` cuts unevenly: their size differs by rank."""
+    ways: dict[int, int] = {}
+    for p, n in zip(layout, sizes):
+        if isinstance(p, Shard):
+            ways[p.dim] = ways.get(p.dim, 1) * n
+    return {d for d, w in ways.items() if shape[d] % w}
+
+
+def divides(shape: Sequence[int], p, n: int, uneven: bool = False) -> bool:
+    """`p` can cut `shape` over `n` ranks: evenly, or with `uneven` in torch.chunk's sizes (a plain
+    shard, every rank's piece non-empty)."""
     if not isinstance(p, Shard):
         return True
     if p.dim >= len(shape):
         return False
     size = shape[p.dim]
-    return size % p.groups == 0 and (size // p.groups) % n == 0
+    if size % p.groups == 0 and (size // p.groups) % n == 0:
+        return True
+    return uneven and p.groups == 1 and chunk_fits(size, n)
+
+
+def chunk_fits(size: int, n: int) -> bool:
+    """torch.chunk cuts `size` into `n` non-empty pieces (7 over 4 does, as 2,2,2,1; 5 over 4 does not)."""
+    return size >= n and (n - 1) * -(-size // n) < size
+
+
+def padded(size: int, n: int) -> int:
+    """`size` rounded up to `n` equal pieces: what a collective over an uneven dim moves."""
+    return -(-size // n) * n
 
 
 def shard_indices(shape, layout: Layout, sizes, coords) -> list[torch.Tensor]:
-    """Per dim, the global indices this rank holds (nested shards applied in mesh order)."""
+    """Per dim, the global indices this rank holds (nested shards applied in mesh order; a plain
+    shard that does not divide in torch.chunk's sizes)."""
     idx = [torch.arange(n) for n in shape]
     for p, n, c in zip(layout, sizes, coords):
         if isinstance(p, Shard):
             d = idx[p.dim]
+            if p.groups == 1 and d.numel() % n:
+                idx[p.dim] = d.narrow(0, *chunk_rows(d.numel(), n, c))
+                continue
             block = d.numel() // (p.groups * n)
             idx[p.dim] = d.reshape(p.groups, n, block)[:, c].reshape(-1)
     return idx
-

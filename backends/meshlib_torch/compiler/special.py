@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .placements import chunk_rows
+
 # in place, over the named mesh axis; with wait=False it may return a handle whose wait() finishes it
 Reduce = Callable[..., object]
 
@@ -25,12 +27,12 @@ def no_reduce(x: torch.Tensor, op: str, axis: str, wait: bool = True) -> None:
 
 
 class VocabEmbedding(nn.Module):
-    """Rows `[r*V/n, (r+1)*V/n)` live on rank r: look up the ids in range, zero the rest (output: partial)."""
+    """Rank r holds the vocabulary's r-th torch.chunk piece of rows (`[r*V/n, (r+1)*V/n)` when n divides
+    V): look up the ids in range, zero the rest (output: partial)."""
 
-    def __init__(self, *, local_vocab: int, rank: int, **_):
+    def __init__(self, *, vocab: int, ways: int, rank: int, **_):
         super().__init__()
-        self.start = rank * local_vocab
-        self.local_vocab = local_vocab
+        self.start, self.local_vocab = chunk_rows(vocab, ways, rank)
 
     def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
@@ -77,12 +79,12 @@ class CrossEntropy(nn.Module):
     this rank's coordinate on the vocab axis."""
 
     def __init__(
-        self, *, vocab_axis, rows_axes, local_classes, reduction, ignore_index, rank: int = 0,
+        self, *, vocab_axis, rows_axes, classes, vocab_ways, reduction, ignore_index, rank: int = 0,
         reduce: Reduce = no_reduce, **_,
     ):  # fmt: skip
         super().__init__()
         self.vocab_axis, self.rows_axes, self.reduce = vocab_axis, tuple(rows_axes), reduce
-        self.start = rank * local_classes if vocab_axis else 0
+        self.start = chunk_rows(classes, vocab_ways, rank)[0] if vocab_axis else 0  # torch.chunk's pieces
         self.reduction, self.ignore_index = reduction, ignore_index
         self.counts: list[torch.Tensor] = []  # the global counts of targets of the next microbatches, if known
 

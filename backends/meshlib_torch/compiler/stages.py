@@ -162,12 +162,23 @@ def rank_params(stages, placement) -> list[set[str]]:
     return out
 
 
-def boundary_values(compiled, names: list[str], device, layouts: dict | None = None) -> tuple:
+def param_holders(stages, placement) -> dict[str, set[int]]:
+    """Each parameter's pp coordinates: those whose stages hold it (more than one: a tied parameter)."""
+    out: dict[str, set[int]] = {}
+    for r, names in enumerate(rank_params(stages, placement)):
+        for name in names:
+            out.setdefault(name, set()).add(r)
+    return out
+
+
+def boundary_values(compiled, names: list[str], device, layouts: dict | None = None, coords=None) -> tuple:
     """Zeros shaped like these values for one microbatch on one rank (`output`: the loss), each in
     the dtype it has as the model runs (bf16 under bf16 compute, unless the model casts it).
     `layouts`: those of values the compiler's plans do not cover (collectives moved to a boundary).
     A pipeline stage is built with them (torch checks each send against them), and the dry run
-    feeds them to a stage."""
+    feeds them to a stage. `coords` (axis -> coordinate): the rank's, whose pieces of a dim cut
+    unevenly are its own (default: the first rank's, the largest)."""
+    at = [coords[a] for a in compiled.axes.names] if coords else None
     by_name = {n.name: n for n in compiled.graph.nodes}
     out = []
     for name in names:
@@ -177,7 +188,7 @@ def boundary_values(compiled, names: list[str], device, layouts: dict | None = N
         node = by_name[name]
         val = node.meta["val"]
         layout = value_layout(node, compiled.plans, compiled.input_layouts, layouts)
-        shape = local_shape(tuple(val.shape), layout, compiled.axes.sizes) if layout is not None else tuple(val.shape)
+        shape = local_shape(tuple(val.shape), layout, compiled.axes.sizes, at) if layout is not None else val.shape
         out.append(torch.zeros(shape, dtype=run_dtype(node), device=device, requires_grad=bool(val.requires_grad)))
     return tuple(out)
 

@@ -22,7 +22,14 @@ from torch import nn
 from ..torch_private import FX_ASSERTS
 from .call import Call, LossChoiceError, describe, pick_loss
 from .modules import canonical_params
-from .normalize import canonicalize_attrs, inline_leaf_modules, split_addmm, split_linear_bias, unflatten_matmuls
+from .normalize import (
+    canonicalize_attrs,
+    drop_device_moves,
+    inline_leaf_modules,
+    split_addmm,
+    split_linear_bias,
+    unflatten_matmuls,
+)
 from .regions import current_modes, inline_regions
 from .source import TORCH_DIR
 from .source import reason as failure
@@ -75,17 +82,22 @@ class _Tracer(fx.Tracer):
         return node
 
 
-def trace(model: nn.Module, call: Call, /, *, count_flops: bool = False) -> Traced:
+def trace(model: nn.Module, call: Call, /, *, count_flops: bool = False, compute: torch.dtype | None = None) -> Traced:
     """Trace `model` called as `call` (tensors of the global shape, any device); the graph returns the loss
-    (`call.loss`, see `call.pick_loss`) and takes the call's tensors as inputs, by name."""
+    (`call.loss`, see `call.pick_loss`) and takes the call's tensors as inputs, by name. `compute`: the
+    dtype the parameters compute in, when not the model's own (bf16 mixed precision)."""
     canon, aliases = canonical_params(model)
+    subject = model
     try:
         gm = _fx(model, call)
         path, reason = "fx", ""
     except Exception as err:  # noqa: BLE001 - any tracer failure means: try export
         reason = failure(err)
+        # torch.export writes down the dtypes it sees (`x.to(x_dtype)` becomes a cast to fp32 in an fp32
+        # model): trace the model as it will compute, on meta copies of its tensors in `compute`
+        subject = in_dtype(model, compute) if compute is not None else model
         try:
-            gm = _export(model, call)
+            gm = _export(subject, call)
         except LossChoiceError:
             raise
         except Exception as export_err:  # noqa: BLE001 - both paths failed: say why, once each
@@ -93,8 +105,9 @@ def trace(model: nn.Module, call: Call, /, *, count_flops: bool = False) -> Trac
                 raise export_err.__cause__ from None
             raise Untraceable(reason, failure(export_err)) from export_err
         path = "export"
-    inline_leaf_modules(gm, model)
+    inline_leaf_modules(gm, subject)
     inline_regions(gm)
+    drop_device_moves(gm)
     canonicalize_attrs(gm, aliases)
     split_linear_bias(gm)
     split_addmm(gm)
@@ -105,6 +118,21 @@ def trace(model: nn.Module, call: Call, /, *, count_flops: bool = False) -> Trac
     if path == "fx":
         _select_output(gm, call)
     return Traced(gm, path, reason, canon, aliases, call)
+
+
+def in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` itself when its floating tensors are all `dtype`; else a copy of its modules whose
+    parameters and buffers are empty meta tensors, the floating ones in `dtype` (nothing is copied)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if all(t.dtype == dtype or not t.is_floating_point() for t in tensors):
+        return model
+    cast = lambda t: torch.empty_like(t, device="meta", dtype=dtype if t.is_floating_point() else t.dtype)  # noqa: E731
+    memo = {id(p): nn.Parameter(cast(p), requires_grad=p.requires_grad) for p in model.parameters()}
+    memo |= {id(b): cast(b) for b in model.buffers()}
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:  # noqa: BLE001 - a module that cannot be copied is traced as it is
+        return model
 
 
 class Untraceable(ValueError):

@@ -77,6 +77,8 @@ class _Dtypes(fx.Interpreter):
         out = run_node_in_region(n, lambda: super(_Dtypes, self).run_node(n))
         if torch.is_tensor(out):
             n.meta["run_dtype"] = out.dtype
+            if not out.is_meta:  # a tensor the graph makes on the tracing device (a mask): meta like the rest
+                out = torch.empty_like(out, device="meta")
         return out
 
 

@@ -9,6 +9,7 @@ counted by `COUNTER`: logical bytes per rank, by kind and by provenance.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -16,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compiler.placements import Partial, Replicate, Shard, natural_grad
+from ..compiler.placements import Partial, Replicate, Shard, chunk_rows, natural_grad
 from ..compiler.placements import kind as pl_kind
 from ..compiler.redistribute import CommSpec
+from ..compiler.shapes import padded
 
 
 @dataclass
@@ -83,14 +85,23 @@ def _flat0(shape) -> tuple[int, ...]:
     return (shape[0] * shape[1],) + tuple(shape[2:]) if len(shape) > 1 else (shape[0],)
 
 
-def all_gather(x: torch.Tensor, p: Shard, group, n: int) -> torch.Tensor:
+def all_gather(x: torch.Tensor, p: Shard, group, n: int, size: int | None = None) -> torch.Tensor:
+    """The whole dim from every rank's piece. `size`: the whole dim's size, when it does not divide
+    (torch.chunk's pieces, each padded to the first's size to move, the padding dropped after)."""
+    if _ragged(p, n, size):
+        x = pad_to(x, p.dim, -(-size // n))
+        return all_gather(x, p, group, n).narrow(p.dim, 0, size)
     x = x.contiguous()
     flat = torch.empty(_flat0((n,) + tuple(x.shape)) if x.dim() else (n,), dtype=x.dtype, device=x.device)
     _all_gather_single(flat, x if x.dim() else x.reshape(1), group=group)
     return unblocks(flat.reshape((n,) + tuple(x.shape)), p.dim, p.groups)
 
 
-def reduce_scatter(x: torch.Tensor, p: Shard, group, n: int) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, p: Shard, group, n: int, rank: int = 0) -> torch.Tensor:
+    size = x.shape[p.dim]
+    if _ragged(p, n, size):
+        out = reduce_scatter(pad_to(x, p.dim, padded(size, n)), p, group, n)
+        return out.narrow(p.dim, 0, chunk_rows(size, n, rank)[1])
     stacked = blocks(x, p.dim, p.groups, n).contiguous()
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, stacked.reshape(_flat0(stacked.shape)), group=group)
@@ -104,39 +115,79 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def local_slice(x: torch.Tensor, p: Shard, rank: int, n: int) -> torch.Tensor:
+    if _ragged(p, n, x.shape[p.dim]):
+        return x.narrow(p.dim, *chunk_rows(x.shape[p.dim], n, rank)).contiguous()
     return blocks(x, p.dim, p.groups, n)[rank].contiguous()
 
 
-def local_pad(x: torch.Tensor, p: Shard, rank: int, n: int) -> torch.Tensor:
+def local_pad(x: torch.Tensor, p: Shard, rank: int, n: int, size: int | None = None) -> torch.Tensor:
     """A partial sum from a shard: this rank's block in place, zeros in the others' (no communication)."""
+    if _ragged(p, n, size):
+        shape = list(x.shape)
+        shape[p.dim] = size
+        out = x.new_zeros(shape)
+        out.narrow(p.dim, chunk_rows(size, n, rank)[0], x.shape[p.dim]).copy_(x)
+        return out
     stacked = x.new_zeros((n,) + tuple(x.shape))
     stacked[rank] = x
     return unblocks(stacked, p.dim, p.groups)
 
 
-def all_to_all(x: torch.Tensor, src: Shard, dst: Shard, group, n: int) -> torch.Tensor:
-    """Sharded on `src.dim` -> sharded on `dst.dim` (plain shards)."""
+def all_to_all(x: torch.Tensor, src: Shard, dst: Shard, group, n: int, size: int | None = None, rank: int = 0):
+    """Sharded on `src.dim` -> sharded on `dst.dim` (plain shards). `size`: the whole `src.dim`, when
+    either dim does not divide (both are padded to equal pieces to move)."""
+    whole = x.shape[dst.dim]
+    if _ragged(src, n, size) or _ragged(dst, n, whole):
+        x = pad_to(pad_to(x, dst.dim, padded(whole, n)), src.dim, -(-size // n))
+        out = all_to_all(x, src, dst, group, n)
+        return out.narrow(src.dim, 0, size).narrow(dst.dim, 0, chunk_rows(whole, n, rank)[1])
     parts = blocks(x, dst.dim, dst.groups, n).contiguous()
     out = torch.empty_like(parts)
     dist.all_to_all_single(out, parts, group=group)
     return unblocks(out, src.dim, src.groups)
 
 
-def step(x: torch.Tensor, a, b, group, n: int, rank: int) -> torch.Tensor:
-    """Change one axis's placement from `a` to `b`."""
+def _ragged(p: Shard, n: int, size: int | None) -> bool:
+    """A plain shard of a dim of `size` that does not divide over `n` ranks."""
+    return size is not None and p.groups == 1 and size % n != 0
+
+
+def pad_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`x` with zeros after its end along `dim`, to `size`."""
+    if x.shape[dim] == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def step(x: torch.Tensor, a, b, group, n: int, rank: int, size: int | None = None) -> torch.Tensor:
+    """Change one axis's placement from `a` to `b`; `size`: the whole size of the dim `a` shards."""
     if a == b:
         return x
     if isinstance(a, Partial):
-        return all_reduce(x, group) if isinstance(b, Replicate) else reduce_scatter(x, b, group, n)
+        return all_reduce(x, group) if isinstance(b, Replicate) else reduce_scatter(x, b, group, n, rank)
     if isinstance(a, Shard) and isinstance(b, Replicate):
-        return all_gather(x, a, group, n)
+        return all_gather(x, a, group, n, size)
     if isinstance(a, Shard) and isinstance(b, Shard):
-        return all_to_all(x, a, b, group, n)
+        return all_to_all(x, a, b, group, n, size, rank)
     if isinstance(a, Replicate) and isinstance(b, Shard):
         return local_slice(x, b, rank, n)
     if isinstance(a, Shard) and isinstance(b, Partial):
-        return local_pad(x, a, rank, n)
+        return local_pad(x, a, rank, n, size)
     raise ValueError(f"no step from {a} to {b}")
+
+
+def moved_bytes(x: torch.Tensor, a, b, n: int, size: int | None) -> int:
+    """What one step moves per rank, as the plan counts it: the value with this axis whole, a dim it
+    cuts unevenly padded to equal pieces (`size`: the whole of the dim `a` shards)."""
+    shape = list(x.shape)
+    if isinstance(a, Shard):
+        shape[a.dim] = size if size is not None else shape[a.dim] * n
+        shape[a.dim] = padded(shape[a.dim], n)
+    if isinstance(b, Shard):
+        shape[b.dim] = padded(shape[b.dim], n)
+    return math.prod(shape) * x.element_size()
 
 
 def _order(pairs: list) -> list:
@@ -158,15 +209,27 @@ class Comm(nn.Module):
 
     def run(self, x: torch.Tensor, frm, to, phase: str) -> torch.Tensor:
         pairs = [(name, a, b) for name, a, b in zip(self.axes.names, frm, to) if a != b]
+        state = dict(zip(self.axes.names, frm))
         for name, a, b in _order(pairs):
             n = self.sizes[name]
             if phase == "backward" and not self.sync and isinstance(a, Partial) and isinstance(b, Replicate):
                 continue
-            payload = x.numel() * x.element_size() * (1 if not isinstance(a, Shard) else n)
-            x = step(x, a, b, self.groups.get(name), n, self.ranks.get(name, 0))
+            size = self._whole(state, name, a.dim) if isinstance(a, Shard) else None
+            payload = moved_bytes(x, a, b, n, size)
+            x = step(x, a, b, self.groups.get(name), n, self.ranks.get(name, 0), size)
+            state[name] = b
             if pl_kind(a, b) is not None:  # not a local slice or pad
                 self.counter.record(phase, _kind(a, b), name, payload, f"{self.spec.producer}@{self.spec.source}")
         return x
+
+    def _whole(self, state: dict, axis: str, dim: int) -> int:
+        """The size of `dim` with `axis` whole: the other axes that cut it cut it evenly (an uneven dim is
+        cut by one axis only), so it is the same on every rank."""
+        size = self.spec.shape[dim]
+        for name, p in state.items():
+            if name != axis and isinstance(p, Shard) and p.dim == dim:
+                size //= self.sizes[name]
+        return size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _CommFn.apply(x, self)
@@ -205,4 +268,4 @@ def reducer(groups: dict, counter: CommCounter = COUNTER):
     return reduce
 
 
-__all__ = ["COUNTER", "Comm", "CommCounter", "all_gather", "all_reduce", "reduce_scatter", "reducer"]
+__all__ = ["COUNTER", "Comm", "CommCounter", "all_gather", "all_reduce", "pad_to", "reduce_scatter", "reducer"]

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..compiler import placements as pl
-from .comm import COUNTER, CommCounter, all_gather, reduce_scatter
+from ..compiler.shapes import padded, ragged_dims
+from .comm import COUNTER, CommCounter, all_gather, pad_to, reduce_scatter
 from .dtensor import torch_placements
 
 
@@ -85,7 +86,9 @@ class MeshOptimizer(torch.optim.Optimizer):
         self, name: str, p: torch.nn.Parameter, start, layout, mesh_axes, separate: bool
     ) -> torch.Tensor:
         local = _local(start)
-        d = pl.zero1_shard_dim(tuple(local.shape), self.dp_size, layout)
+        d = pl.zero1_shard_dim(
+            tuple(local.shape), self.dp_size, layout, ragged_dims(tuple(p.shape), layout, mesh_axes.sizes)
+        )
         self.shard_dim[name] = d
         if d is None:  # a scalar, or every dim already split by another axis: every rank keeps the whole
             return _fp32_copy(start)
@@ -147,7 +150,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         g = _local(p.grad).to(self.master[name].dtype)
         d = self.shard_dim[name]
         size = g.shape[d]
-        g = _pad(g, d, -(-size // self.dp_size) * self.dp_size)
+        g = pad_to(g, d, padded(size, self.dp_size))
         out = reduce_scatter(g, pl.Shard(d), self.dp_group, self.dp_size)
         self.counter.record("backward", "reduce_scatter", self.dp_axis, g.numel() * g.element_size(), "zero-1")
         return out.narrow(d, 0, pl.chunk_rows(size, self.dp_size, self.dp_index)[1])
@@ -155,7 +158,7 @@ class MeshOptimizer(torch.optim.Optimizer):
     def _all_gather_into(self, name: str, m, p) -> None:
         d = self.shard_dim[name]
         target = _local(p.data)
-        piece = _pad(_local(m.data).to(p.dtype), d, -(-target.shape[d] // self.dp_size))
+        piece = pad_to(_local(m.data).to(p.dtype), d, -(-target.shape[d] // self.dp_size))
         full = all_gather(piece, pl.Shard(d), self.dp_group, self.dp_size)
         self.counter.record("optimizer", "all_gather", self.dp_axis, full.numel() * full.element_size(), "zero-1")
         target.copy_(full.narrow(d, 0, target.shape[d]))
@@ -235,15 +238,6 @@ def _fp32_copy(p: torch.Tensor) -> torch.nn.Parameter:
             DTensor.from_local(local, d.device_mesh, d.placements, shape=d.shape, stride=d.stride())
         )
     return torch.nn.Parameter(p.detach().to(_master_dtype(p)).clone())
-
-
-def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """`x` with zeros appended along `dim` up to `size` (itself when already that long)."""
-    if x.shape[dim] == size:
-        return x
-    shape = list(x.shape)
-    shape[dim] = size - x.shape[dim]
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 def _master_layout(layout, mesh_axes, dp_axis: str, local_dim: int, local_shape) -> tuple:

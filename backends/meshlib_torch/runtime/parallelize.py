@@ -37,7 +37,8 @@ def parallelize(
     replicate_axes: tuple[str, ...] = (), offload: bool = False, prefetch: bool = True, microbatches: int = 1,
     schedule: str = "1f1b",
     chunks: int | None = None, pp_axis: str = "pp", split_points: list[int] | None = None, balance: str = "flops",
-    timeout: float | None = None, allow_data_gather: bool = False, idle_axes: tuple[str, ...] = (), compiled=None,
+    timeout: float | None = None, allow_data_gather: bool = False, idle_axes: tuple[str, ...] = (),
+    uneven: str = "error", compiled=None,
 ) -> Parallel:  # fmt: skip
     """Compile `model` for `mesh` and build this rank's part of it (call on every rank, under torchrun).
 
@@ -60,7 +61,7 @@ def parallelize(
         in_specs=in_specs, sequence_parallel=sequence_parallel, zero=zero, precision=precision,
         recompute=recompute, replicate_axes=replicate_axes, microbatches=microbatches, schedule=schedule,
         chunks=chunks, pp_axis=pp_axis, split_points=split_points, balance=balance,
-        allow_data_gather=allow_data_gather, idle_axes=idle_axes,
+        allow_data_gather=allow_data_gather, idle_axes=idle_axes, uneven=uneven,
     )  # fmt: skip
     _check_runtime(compiled, offload)
     source = weights_mod.source(model, init=init, seed=seed, weights=weights, compiled=compiled)

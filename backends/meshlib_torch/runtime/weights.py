@@ -78,7 +78,7 @@ class Source:
         """This rank's shard of parameter `name` (a DCP checkpoint's: empty, filled by `finish`)."""
         if self.kind == "file":
             if self.files.kind == "dcp":
-                return torch.empty(local_shape(tuple(p.shape), layout, sizes), dtype=p.dtype)
+                return torch.empty(local_shape(tuple(p.shape), layout, sizes, coords), dtype=p.dtype)
             index = shard_indices(tuple(p.shape), layout, sizes, coords)
             return self.files.read(self.keys[name], index, p.dtype)
         return local_value(name, p, layout, sizes, coords, init=self.init, seed=self.seed)

@@ -1,7 +1,8 @@
 """What one training step moves and holds on each rank, to set beside the plan's figures.
 
-`measure_step(run)` runs on every rank: two steps (the first makes the optimizer
-state), then a third counted by `COUNTER`; it returns this rank's bytes per
+`measure_step(run)` runs on every rank, for a bundled model's `RunConfig` or any
+model's `reference.Trial`: two steps (the first makes the optimizer state), then a
+third counted by `COUNTER`; it returns this rank's bytes per
 (phase, kind, axis) and its model state (parameters, gradients after backward,
 optimizer state). `planned(plan, coords)` is what the plan says for a rank at
 those mesh coordinates. The two must be equal on every rank.
@@ -9,6 +10,7 @@ those mesh coordinates. The two must be equal on every rank.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -16,14 +18,19 @@ import torch
 from ..runtime.comm import COUNTER
 from ..runtime.memory import model_state_bytes
 from .parity import RunConfig, batch_of, build_parallel
+from .reference import Trial, parallelize_trial
 
 
-def measure_step(run: RunConfig) -> dict:
+def measure_step(run: RunConfig | Trial) -> dict:
     """This rank's collective bytes in one step, by (phase, kind, axis), and its model-state bytes."""
-    par = build_parallel(run)
-    opt = par.optimizer(lr=run.lr)
+    if isinstance(run, Trial):
+        par = parallelize_trial(run)
+        opt, batch = run.make_optimizer(par.optimizer), run.batch
+    else:
+        par = build_parallel(run)
+        opt, batch = par.optimizer(lr=run.lr), functools.partial(batch_of, run)
     for step in range(2):
-        par.train_step(batch_of(run, step), opt)
+        par.train_step(batch(step), opt)
     COUNTER.reset()
     grads = {}
     step = opt.step
@@ -33,7 +40,7 @@ def measure_step(run: RunConfig) -> dict:
         return step(*args, **kwargs)
 
     opt.step = counted_step
-    par.train_step(batch_of(run, 2), opt)
+    par.train_step(batch(2), opt)
     opt.step = step
     comm = dict(COUNTER.by_kind)
     state = model_state_bytes(par, opt) | {"grads": grads["grads"]}

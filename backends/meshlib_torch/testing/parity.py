@@ -54,6 +54,7 @@ class RunConfig:
     microbatches: int = 1
     replicate_axes: tuple = ()
     idle_axes: tuple = ()  # mesh axes nothing is split over, replicated on purpose
+    uneven: str = "error"  # "chunk": dims that do not divide are cut in torch.chunk's sizes
     offload: bool = False
     schedule: str = "1f1b"  # with a pp axis in the mesh
     chunks: int | None = None
@@ -195,7 +196,7 @@ def build_parallel(run: RunConfig):
         init=None if run.weights else _init(cfg, run), weights=run.weights, seed=run.seed,
         sequence_parallel=run.sequence_parallel, zero=run.zero,
         precision=Precision.parse(run.precision) if run.precision else None, recompute=run.recompute,
-        replicate_axes=run.replicate_axes, idle_axes=run.idle_axes, offload=run.offload,
+        replicate_axes=run.replicate_axes, idle_axes=run.idle_axes, uneven=run.uneven, offload=run.offload,
         microbatches=run.microbatches, schedule=run.schedule,
         chunks=run.chunks, balance=run.balance, split_points=list(run.split_points) if run.split_points else None,
     )  # fmt: skip

@@ -101,15 +101,22 @@ class _Recording:
         return DTensor.from_local(local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride())
 
 
-def run_parallel(trial: Trial) -> Trace:
-    """Call on every rank; every rank returns the same whole losses, gradients and parameters."""
-    from ..runtime.comm import COUNTER
+def parallelize_trial(trial: Trial):
+    """The trial's model, built and parallelized on its mesh with its rules and options (on every rank)."""
     from ..runtime.parallelize import parallelize
 
     mesh = Mesh.parse(trial.mesh)
-    model = trial.build()
     rules = trial.rules(mesh) if trial.rules is not None else pattern_rules({}, default=P())
-    par = parallelize(model, mesh=mesh, rules=rules, example_inputs=trial.batch(0), loss=trial.loss, **trial.options)
+    return parallelize(
+        trial.build(), mesh=mesh, rules=rules, example_inputs=trial.batch(0), loss=trial.loss, **trial.options
+    )
+
+
+def run_parallel(trial: Trial) -> Trace:
+    """Call on every rank; every rank returns the same whole losses, gradients and parameters."""
+    from ..runtime.comm import COUNTER
+
+    par = parallelize_trial(trial)
     opt = _Recording(trial.make_optimizer(par.optimizer), par.named_model_parameters)
     sched = trial.scheduler(opt.opt) if trial.scheduler else None
     losses, comm = [], None

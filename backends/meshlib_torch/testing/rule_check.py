@@ -32,7 +32,7 @@ from ..compiler.placements import Partial, Replicate, Shard
 from ..compiler.propagate import Axes, NodePlan, fits
 from ..compiler.special import special_module
 from ..compiler.values import annotate_values
-from ..runtime.comm import blocks, unblocks
+from ..runtime.comm import local_slice, unblocks
 
 AXIS = "x"
 
@@ -74,15 +74,16 @@ def kind(case: OpCase) -> str:
     return bind(_graph(case)[1]).kind
 
 
-def strategies(case: OpCase, cur: list, n: int) -> list[Strategy]:
-    """The rule's strategies for these input placements (in the rule's tensor order) that fit `n` ranks."""
+def strategies(case: OpCase, cur: list, n: int, *, uneven: bool = False) -> list[Strategy]:
+    """The rule's strategies for these input placements (in the rule's tensor order) that fit `n` ranks
+    (with `uneven`, also in torch.chunk's sizes where a dim does not divide)."""
     _, node = _graph(case)
     view = bind(node)
     out = view.out if isinstance(view.out, (list, tuple)) else [view.out]
     hint = [Shard(d) for d in range(max(t.dim() for t in out))]
     shapes = [tuple(x.meta["val"].shape) for x in view.tensors]
     found = RULES.get(view.kind, RULES["unknown"])(view, list(cur), hint)
-    return [s for s in found if fits(view, s, n, shapes)]
+    return [s for s in found if fits(view, s, n, shapes, uneven)]
 
 
 def tensor_order(case: OpCase) -> list[int]:
@@ -110,7 +111,7 @@ class _SimGroup:
 
 def _local(x: torch.Tensor, p, rank: int, n: int, noise: torch.Tensor | None) -> torch.Tensor:
     if isinstance(p, Shard):
-        return blocks(x, p.dim, p.groups, n)[rank].contiguous()
+        return local_slice(x, p, rank, n)  # torch.chunk's piece where the dim does not divide
     if isinstance(p, Partial):
         weight = 0.6 if rank == 0 else 0.4 / (n - 1)
         return x * weight + noise[rank]
@@ -118,6 +119,8 @@ def _local(x: torch.Tensor, p, rank: int, n: int, noise: torch.Tensor | None) ->
 
 
 def _join(parts: list[torch.Tensor], p) -> torch.Tensor:
+    if isinstance(p, Shard) and len({t.shape for t in parts}) > 1:
+        return torch.cat(parts, p.dim)  # uneven pieces: plain shards, in rank order
     if isinstance(p, Shard):
         return unblocks(torch.stack(parts), p.dim, p.groups)
     if isinstance(p, Partial):
@@ -127,8 +130,12 @@ def _join(parts: list[torch.Tensor], p) -> torch.Tensor:
     return parts[0]
 
 
-def check(case: OpCase, strategy: Strategy, n: int, *, seed: int = 0, rtol: float = 1e-9, atol: float = 1e-9) -> None:
-    """Raise AssertionError unless the op, localized for `strategy` on `n` ranks, equals the whole op."""
+def check(
+    case: OpCase, strategy: Strategy, n: int, *, seed: int = 0, rtol: float = 1e-9, atol: float = 1e-9,
+    uneven: bool = False,
+) -> None:  # fmt: skip
+    """Raise AssertionError unless the op, localized for `strategy` on `n` ranks, equals the whole op
+    (`uneven`: shards of dims that do not divide are torch.chunk's pieces)."""
     gm, node = _graph(case)
     expected = gm(*case.inputs)
     view = bind(node)
@@ -141,7 +148,7 @@ def check(case: OpCase, strategy: Strategy, n: int, *, seed: int = 0, rtol: floa
         plans[holder] = NodePlan(bind(holder), (need.get(i, Replicate()),), [])
     multi = isinstance(view.out, (list, tuple))
     plans[node] = NodePlan(view, tuple((o,) for o in outs) if multi else (outs[0],), [(p,) for p in strategy.inputs])
-    axes = Axes((AXIS,), (n,))
+    axes = Axes((AXIS,), (n,), uneven=uneven)
     specials = localize(gm, plans, axes, params=set())
     gm.recompile()
     gen = torch.Generator().manual_seed(seed)

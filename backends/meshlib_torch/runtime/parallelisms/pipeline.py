@@ -28,7 +28,7 @@ from torch.distributed.pipelining import (
 
 from meshlib import schedule as core_schedule
 
-from ...compiler.stages import boundary_values
+from ...compiler.stages import boundary_values, param_holders
 from ...torch_private import runtime_schedule
 from .. import dist as mdist
 from ..comm import COUNTER
@@ -113,8 +113,8 @@ def apply_pipeline(par) -> None:
     for s, module in zip(par.local_stages, par.stage_modules, strict=True):
         if traced:
             moved = stages_plan.layouts
-            ins = boundary_values(compiled, stages_plan.inputs[s], device, moved)
-            outs = boundary_values(compiled, stages_plan.outputs[s], device, moved)
+            ins = boundary_values(compiled, stages_plan.inputs[s], device, moved, par._coords)
+            outs = boundary_values(compiled, stages_plan.outputs[s], device, moved, par._coords)
         else:
             ins = _zeros(stages_plan.inputs[s], device, grad=s > 0)
             outs = _zeros(stages_plan.outputs[s], device, grad=s < n - 1)
@@ -181,12 +181,8 @@ def _zeros(metas: tuple, device, *, grad: bool) -> tuple:
 def tied_groups(stage_plan, core, compiled, pp_axis: str):
     """For each parameter held by stages on different pp ranks, a process group over those ranks
     (one per coordinate of the other axes; every rank creates every group, in the same order)."""
-    holders: dict[str, set[int]] = {}
-    for s, names in enumerate(stage_plan.params):
-        for name in names:
-            holders.setdefault(name, set()).add(core.placement[s])
     by_ranks: dict[tuple[int, ...], set[str]] = {}
-    for name, ranks in holders.items():
+    for name, ranks in param_holders(stage_plan, core.placement).items():
         if len(ranks) > 1:
             by_ranks.setdefault(tuple(sorted(ranks)), set()).add(name)
     mesh = compiled.mesh
