@@ -29,6 +29,10 @@ try:
 except ImportError:  # pragma: no cover - older torch
     AllGather = ReduceScatter = object
 
+# The zero-bubble schedules' split backward, as torch's pipeline runs it: the dry run measures what a
+# stage holds between its input-gradient (I) and weight-gradient (W) actions by running the same code.
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight  # noqa: F401
+
 # torch.fx keeps a concrete (fixed) argument as a placeholder guarded by these asserts.
 FX_ASSERTS = {torch._assert, fx._symbolic_trace._assert_is_none}
 

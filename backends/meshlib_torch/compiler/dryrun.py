@@ -14,13 +14,14 @@ around each block as FSDP2 does.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from ..memtrack import PeakTracker
-from ..torch_private import copy_codegen
+from ..torch_private import copy_codegen, stage_backward_input, stage_backward_weight
 from .modules import set_attr
 from .placements import natural_grad
 from .program import Compiled, zero1_pieces
@@ -221,9 +222,24 @@ def _fsdp_hooks(gm: nn.Module, layers: int, tracker: PeakTracker, zero: int, n_d
 
 
 # -- a pipeline: each stage on its own, then each rank's schedule ------------------------------------
-def _stage_run(compiled: Compiled, s: int) -> tuple[int, int, int]:
-    """One microbatch through stage `s` on meta tensors, in bytes above the parameters: what it keeps
-    for backward (its activations), the most live in its forward, and in its forward and backward."""
+@dataclass(frozen=True)
+class StageRun:
+    """One microbatch through a stage, in bytes above its parameters: what its forward keeps for the
+    backward, the most live in its forward, and in its forward and backward. With a split backward
+    (zero-bubble schedules): what stays after the input-gradient pass (the graph torch keeps for the
+    weight pass, and the gradients saved for it), and the most live in that pass and in the weight pass."""
+
+    kept: int
+    forward: int
+    step: int
+    after_input: int = 0
+    input_peak: int = 0
+    weight_peak: int = 0
+
+
+def _stage_run(compiled: Compiled, s: int, split: bool = False) -> StageRun:
+    """One microbatch through stage `s` on meta tensors (`split`: its backward as an I then a W action,
+    through torch's own `stage_backward_input` / `stage_backward_weight`)."""
     stages, opts = compiled.stages, compiled.options
     compute = getattr(torch, opts.precision.param)
     graph = stages.graphs[s]
@@ -261,9 +277,23 @@ def _stage_run(compiled: Compiled, s: int) -> tuple[int, int, int]:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         outs = [t for t in outs if torch.is_tensor(t) and t.requires_grad]
         kept, forward = tracker.live - base, tracker.peak - base
-        if outs:
+        if not outs:
+            return StageRun(kept, forward, forward)
+        needs = [x for x in inputs if x.requires_grad]
+        if not split or not needs:  # the first stage's I does nothing: its W is the whole backward
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-    return kept, forward, tracker.peak - base
+            step = tracker.peak - base
+            return StageRun(kept, forward, step, kept, kept, step) if split else StageRun(kept, forward, step)
+        grads = [torch.ones_like(t) for t in outs]
+        _, groups = stage_backward_input(outs, grads, needs, iter(params))
+        del grads, outs, out
+        after, input_peak = tracker.live - base, tracker.peak - base
+        tracker.reset_peak()
+        stage_backward_weight(iter(params), groups)
+        for p in params:
+            p.grad = None  # in the model state already (see above): stage_backward_weight sets it directly
+        weight_peak = tracker.peak - base
+    return StageRun(kept, forward, input_peak, after, input_peak, weight_peak)
 
 
 def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) -> list[int]:
@@ -274,7 +304,8 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
     rank's actions, a forward adds its stage's kept bytes and a backward (full, or of the input)
     frees them (a stage's first backward turns them into its weight gradients as it goes); the peak
     is the most in flight plus the transient of the action running then (`_stage_run`)."""
-    runs = [_stage_run(compiled, s) for s in range(len(compiled.stages.graphs))]
+    split = any(a.kind == "I" for actions in core.actions for a in actions)
+    runs = [_stage_run(compiled, s, split) for s in range(len(compiled.stages.graphs))]
     opts = compiled.options
     compute = getattr(torch, opts.precision.param).itemsize
     out = []
@@ -285,16 +316,20 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
         live = top = 0
         started: set[int] = set()
         for a in actions:
-            kept, forward, step = runs[a.stage]
+            run = runs[a.stage]
             if a.kind == "F":
-                top = max(top, live + forward)
-                live += kept
-            elif a.kind in ("B", "I"):
+                top = max(top, live + run.forward)
+                live += run.kept
+            elif a.kind == "I":  # torch keeps the stage's graph for the weight pass, and the grads it needs
+                top = max(top, live - run.kept + run.input_peak)
+                live += run.after_input - run.kept
+            elif a.kind in ("B", "W"):
                 new = 0
                 if a.stage not in started:  # its weight gradients appear as its activations go
                     started.add(a.stage)
                     new = grads[a.stage]
-                top = max(top, live - kept + max(step, new + step - kept))
-                live += new - kept
+                held, peak = (run.kept, run.step) if a.kind == "B" else (run.after_input, run.weight_peak)
+                top = max(top, live - held + max(peak, new + peak - held))
+                live += new - held
         out.append(state[r] + gathered + top)
     return out
