@@ -224,20 +224,18 @@ def _measured_peak(schedule: str, recompute: str) -> int:
     return tracker.peak
 
 
-PEAK_CASES = [
-    ("gpipe", "none", 0.05), ("1f1b", "none", 0.05), ("1f1b", "block", 0.05), ("zb-h1", "none", 0.05),
-    ("interleaved-1f1b", "none", 0.10), ("zbv", "none", 0.10),
-]  # fmt: skip
+PEAK_CASES = [("gpipe", "none"), ("1f1b", "none"), ("1f1b", "block"), ("zb-h1", "none"), ("interleaved-1f1b", "none"),
+              ("zbv", "none")]  # fmt: skip
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("schedule, recompute, rel", PEAK_CASES)
-def test_pipeline_peak_estimate_per_rank(schedule, recompute, rel):
+@pytest.mark.parametrize("schedule, recompute", PEAK_CASES)
+def test_pipeline_peak_estimate_per_rank(schedule, recompute):
     """The dry run walks each rank's schedule: GPipe keeps all 4 microbatches in flight, 1F1B at most
     p - r; a zero-bubble stage keeps its graph from its input-gradient action to its weight action, as
-    torch's own split backward (run in the dry run) does. The plan's per-rank peak is within 5% of the
-    peak measured on that rank (GPipe, 1F1B, ZB-H1: 0.95-0.99 of it), 10% where two stages share a rank
-    (interleaved 0.95-0.96, ZBV 0.92-0.97: the stages' local hand-offs are not modelled)."""
+    torch's own split backward (run in the dry run) does; every stage receives into a buffer per
+    microbatch. The plan's per-rank peak is within 5% of the peak measured on that rank (measured:
+    0.99-1.02 of it on every schedule here)."""
     measured = get_pool(2).run(_measured_peak, schedule, recompute)
     cfg, mesh = models.config("llama-small", n_layers=4), Mesh(pp=2)
     example = tuple(torch.empty(8, 128, dtype=torch.long, device="meta") for _ in range(2))
@@ -246,7 +244,7 @@ def test_pipeline_peak_estimate_per_rank(schedule, recompute, rel):
         recompute=recompute, microbatches=4, schedule=schedule, estimate_memory=True,
     ).plan  # fmt: skip
     for rank, got in enumerate(measured):
-        assert plan.stage_memory[rank].peak == pytest.approx(got, rel=rel), (rank, plan.stage_memory, measured)
+        assert plan.stage_memory[rank].peak == pytest.approx(got, rel=0.05), (rank, plan.stage_memory, measured)
 
 
 # -- meshes that cannot be what the user meant ----------------------------------------------------

@@ -301,11 +301,14 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
     optimizer state), its stages' parameters in the compute dtype where ZeRO-2/3 keeps them gathered
     through the step, the activations its schedule keeps in flight, and the weight gradients from a
     stage's first backward on (`grads`, per stage: the optimizer step frees them). Walking the
-    rank's actions, a forward adds its stage's kept bytes and a backward (full, or of the input)
-    frees them (a stage's first backward turns them into its weight gradients as it goes); the peak
-    is the most in flight plus the transient of the action running then (`_stage_run`)."""
+    rank's actions, a forward adds its stage's kept bytes and a backward frees them (a stage's first
+    backward turns them into its weight gradients as it goes); a zero-bubble schedule's input-gradient
+    action keeps them, with the gradients saved for the weight action, which frees them. The peak is
+    the most in flight plus the transient of the action running then (`_stage_run`), and the buffers
+    the stages receive into (`_receive_buffers`)."""
     split = any(a.kind == "I" for actions in core.actions for a in actions)
     runs = [_stage_run(compiled, s, split) for s in range(len(compiled.stages.graphs))]
+    recv = _receive_buffers(compiled.stages, core)
     opts = compiled.options
     compute = getattr(torch, opts.precision.param).itemsize
     out = []
@@ -331,5 +334,19 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
                 held, peak = (run.kept, run.step) if a.kind == "B" else (run.after_input, run.weight_peak)
                 top = max(top, live - held + max(peak, new + peak - held))
                 live += new - held
-        out.append(state[r] + gathered + top)
+        out.append(state[r] + gathered + recv[r] + top)
+    return out
+
+
+def _receive_buffers(stages, core) -> list[int]:
+    """Per pp rank, the bytes torch's pipeline stages receive into through a step: one buffer per
+    microbatch for each stage's input (all but the first stage) and for the gradient of its output
+    (all but the last)."""
+    out = [0] * len(core.actions)
+    last = len(stages.sends) - 1
+    for s, rank in enumerate(core.placement):
+        if s > 0:
+            out[rank] += core.m * sum(b.bytes for b in stages.sends[s - 1])
+        if s < last:
+            out[rank] += core.m * sum(b.bytes for b in stages.sends[s])
     return out
