@@ -234,8 +234,8 @@ def test_pipeline_peak_estimate_per_rank(schedule, recompute):
     """The dry run walks each rank's schedule: GPipe keeps all 4 microbatches in flight, 1F1B at most
     p - r; a zero-bubble stage keeps its graph from its input-gradient action to its weight action, as
     torch's own split backward (run in the dry run) does; every stage receives into a buffer per
-    microbatch. The plan's per-rank peak is within 5% of the peak measured on that rank (measured:
-    0.99-1.02 of it on every schedule here)."""
+    microbatch for its input. The plan's per-rank peak is within 5% of the peak measured on that
+    rank (measured: 0.96-1.02 of it on every schedule here, on torch 2.13 and 2.15)."""
     measured = get_pool(2).run(_measured_peak, schedule, recompute)
     cfg, mesh = models.config("llama-small", n_layers=4), Mesh(pp=2)
     example = tuple(torch.empty(8, 128, dtype=torch.long, device="meta") for _ in range(2))

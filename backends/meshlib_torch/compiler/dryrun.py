@@ -339,14 +339,12 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
 
 
 def _receive_buffers(stages, core) -> list[int]:
-    """Per pp rank, the bytes torch's pipeline stages receive into through a step: one buffer per
-    microbatch for each stage's input (all but the first stage) and for the gradient of its output
-    (all but the last)."""
+    """Per pp rank, the bytes torch's pipeline stages receive their inputs into through a step: one
+    buffer per microbatch for each stage but the first. The buffers for the output's gradients are
+    not counted: torch 2.13 allocates them for the step, 2.15 not all of them; the estimate is 0.96
+    to 1.02 of the measured peak on both (`tests/test_plan_per_rank.py`)."""
     out = [0] * len(core.actions)
-    last = len(stages.sends) - 1
     for s, rank in enumerate(core.placement):
         if s > 0:
             out[rank] += core.m * sum(b.bytes for b in stages.sends[s - 1])
-        if s < last:
-            out[rank] += core.m * sum(b.bytes for b in stages.sends[s])
     return out
