@@ -93,16 +93,17 @@ def param_specs(
     if missing:
         raise ValueError(f"no spec for parameters {missing}; give every parameter a spec or a rule default")
     tree_shardings(params, {n: specs[n] for n in params}, mesh, uneven=uneven)  # raises, naming every misfit
-    if uneven != "error":
-        for name, p in params.items():
-            check_single_axis_uneven(mesh, specs[name], tuple(p.shape), f"parameter {name!r}")
+    for name, p in params.items():
+        check_single_axis_uneven(mesh, specs[name], tuple(p.shape), uneven, f"parameter {name!r}")
     return specs
 
 
-def check_single_axis_uneven(mesh: Mesh, spec: P, shape: tuple[int, ...], what: str) -> None:
-    """An uneven dim may be split over one mesh axis only: over several, DTensor cuts a chunk of a chunk
-    (nested Shards) while the core's NamedSharding cuts one chunk of the axes' product, so the two would
-    disagree on what each rank holds."""
+def check_single_axis_uneven(mesh: Mesh, spec: P, shape: tuple[int, ...], uneven: str, what: str) -> None:
+    """Under `uneven="chunk"`, an uneven dim may be split over one mesh axis only: over several, DTensor
+    cuts a chunk of a chunk (nested Shards) while the core's NamedSharding cuts one chunk of the axes'
+    product, so the two would disagree on what each rank holds. (Under "error" nothing is uneven.)"""
+    if uneven == "error":
+        return
     for dim, size in enumerate(shape):
         axes = spec.dim_axes(dim)
         if len(axes) > 1 and size % mesh.axis_size(axes):
@@ -151,13 +152,12 @@ def fuse_groups(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
     return out
 
 
-def with_groups(layout: Layout, group: tuple[int, int], mesh: Mesh | None = None, shape=None) -> Layout:
+def with_groups(layout: Layout, group: tuple[int, int], mesh: Mesh, shape) -> Layout:
     """A fused projection's layout: a shard of its output dim holds whole parts (`Shard(dim, k)`). Where
     the parts do not divide over the axes that split them (4 heads' q, k and v over tp=3), the layout is
     kept as declared, a plain shard: the parts are then gathered before the split."""
     dim, k = group
-    if shape is not None and mesh is not None:
-        ways = math.prod(n for p, n in zip(layout, mesh.axis_sizes) if isinstance(p, Shard) and p.dim == dim)
-        if (shape[dim] // k) % ways:
-            return layout
+    ways = math.prod(n for p, n in zip(layout, mesh.axis_sizes) if isinstance(p, Shard) and p.dim == dim)
+    if (shape[dim] // k) % ways:
+        return layout
     return tuple(Shard(p.dim, k) if isinstance(p, Shard) and p.dim == dim and p.groups == 1 else p for p in layout)

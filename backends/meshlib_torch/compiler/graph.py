@@ -95,10 +95,11 @@ def _refuse_data_gathers(comms: list[CommSpec], plans, axes: Axes, data: tuple[s
 
 
 def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, options, count_flops) -> Compiled:
-    traced = trace(model, call, count_flops=count_flops, compute=getattr(torch, options.precision.param))
+    compute = getattr(torch, options.precision.param)
+    traced = trace(model, call, count_flops=count_flops, compute=compute)
     gm = traced.gm
     fold_scalars(gm)  # first: export's dtype asserts name the traced dtypes, not the compute dtype's
-    annotate_run_dtypes(gm, call, getattr(torch, options.precision.param))
+    annotate_run_dtypes(gm, call, compute)
     specs = _annotate.param_specs(traced.params, rules, mesh, traced.aliases, options.uneven)
     groups = _annotate.fuse_groups(gm)
     layouts = {n: _annotate.spec_to_layout(s, mesh) for n, s in specs.items()}

@@ -23,7 +23,7 @@ from .localize import SpecialSpec
 from .placements import Layout, Shard, zero1_split
 from .propagate import Axes, NodePlan
 from .redistribute import CommSpec
-from .shapes import ragged_dims, shard_indices
+from .shapes import local_shape, ragged_dims, shard_indices
 from .trace import Traced
 
 RECOMPUTE = ("none", "block", "selective")
@@ -84,12 +84,8 @@ class Compiled:
         )
 
     def local_param_shape(self, name: str) -> tuple[int, ...]:
-        shape = tuple(self.traced.params[name].shape)
-        out = list(shape)
-        for p, n in zip(self.param_layouts[name], self.axes.sizes):
-            if isinstance(p, Shard):
-                out[p.dim] = -(-out[p.dim] // n)
-        return tuple(out)
+        """The parameter's shard on the first rank (the largest, where a dim is cut unevenly)."""
+        return local_shape(tuple(self.traced.params[name].shape), self.param_layouts[name], self.axes.sizes)
 
 
 def default_in_spec(mesh: Mesh, replicate_axes: tuple[str, ...] = ()) -> P:
@@ -134,8 +130,7 @@ def input_layouts(
     for name, x in tensors.items():
         spec = in_specs.get(name, P())
         NamedSharding(mesh, spec, uneven=uneven).check(tuple(x.shape), path=f"input {name!r}")
-        if uneven != "error":
-            check_single_axis_uneven(mesh, spec, tuple(x.shape), f"input {name!r}")
+        check_single_axis_uneven(mesh, spec, tuple(x.shape), uneven, f"input {name!r}")
         out[name] = spec_to_layout(spec, mesh)
     return out
 

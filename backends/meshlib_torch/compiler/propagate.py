@@ -20,7 +20,7 @@ import torch.fx as fx
 from .bind import OpView, bind
 from .ops import RULES, Strategy
 from .placements import INF, Layout, R, Shard, cost
-from .shapes import divides
+from .shapes import dim_ways, divides
 
 
 @dataclass
@@ -173,11 +173,7 @@ def propagate(
 
 def _cut(shape: tuple[int, ...], layout, axes: Axes) -> dict[int, bool]:
     """The dims the (first axes') placements of `layout` cut, each mapped to: evenly?"""
-    ways: dict[int, int] = {}
-    for p, n in zip(layout, axes.sizes):
-        if isinstance(p, Shard) and p.dim < len(shape):
-            ways[p.dim] = ways.get(p.dim, 1) * n
-    return {d: shape[d] % w == 0 for d, w in ways.items()}
+    return {d: shape[d] % w == 0 for d, w in dim_ways(layout, axes.sizes).items() if d < len(shape)}
 
 
 def _shrunk(shape: tuple[int, ...], layout, axes: Axes) -> tuple[int, ...]:

@@ -110,13 +110,18 @@ def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int], coor
     return tuple(out)
 
 
-def ragged_dims(shape: Sequence[int], layout: Layout, sizes: Sequence[int]) -> set[int]:
-    """The dims of a value of global `shape` that `layout` cuts unevenly: their size differs by rank."""
+def dim_ways(layout: Layout, sizes: Sequence[int]) -> dict[int, int]:
+    """Each dim `layout` cuts, mapped to how many pieces all its axes cut it into."""
     ways: dict[int, int] = {}
     for p, n in zip(layout, sizes):
         if isinstance(p, Shard):
             ways[p.dim] = ways.get(p.dim, 1) * n
-    return {d for d, w in ways.items() if shape[d] % w}
+    return ways
+
+
+def ragged_dims(shape: Sequence[int], layout: Layout, sizes: Sequence[int]) -> set[int]:
+    """The dims of a value of global `shape` that `layout` cuts unevenly: their size differs by rank."""
+    return {d for d, w in dim_ways(layout, sizes).items() if shape[d] % w}
 
 
 def divides(shape: Sequence[int], p, n: int, uneven: bool = False) -> bool:
