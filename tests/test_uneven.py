@@ -67,6 +67,20 @@ def test_transformers_gpt2_with_an_odd_vocabulary(mesh):
     assert all(r.losses == results[0].losses for r in results)
 
 
+@pytest.mark.ranks
+@pytest.mark.parametrize("mesh, options", [("tp=3", {}), ("pp=2,tp=3", {"microbatches": 2})], ids=["tp3", "pp2tp3"])
+def test_a_plain_nanogpt_model_matches_the_single_process(mesh, options):
+    """A nanoGPT-style model written with plain nn.Linear (width 32, 4 heads, MLP 128) on tp=3, alone and
+    in a pipeline, in fp64."""
+    trial = Trial(
+        rm.build_nanogpt, rm.nanogpt_batch, mesh=mesh, rules=rm.rules_nanogpt, loss=1,
+        options={"uneven": "chunk", **options},
+    )  # fmt: skip
+    results = get_pool(Mesh.parse(mesh).size).run(run_parallel, trial)
+    diffs = assert_same(run_single(trial), results[0], rtol=1e-12, atol=1e-12)
+    assert diffs["loss"] < 1e-12
+
+
 def _chunk_bytes(plan: ml.Plan, params: dict, mesh: Mesh, coords: dict, itemsize: int) -> int:
     """The bytes of torch.chunk's piece of every parameter a rank at `coords` holds."""
     total = 0
