@@ -27,7 +27,7 @@ from .spec import P
 __all__ = ["Plan", "Collective", "Stage", "Boundary", "Precision", "Memory", "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
-PHASES = ("forward", "backward", "optimizer", "step")
+PHASES = ("forward", "recompute", "backward", "optimizer", "step")
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,9 +25,10 @@ from ..torch_private import copy_codegen, stage_backward_input, stage_backward_w
 from .modules import set_attr
 from .placements import natural_grad
 from .program import Compiled, zero1_pieces
+from .remat import Recompute, comm_forward, gathers, keeping_shards, kept, note_gathered
 from .shapes import local_shape
 from .special import special_module
-from .split import Recompute, layer_paths, split_graph
+from .split import layer_paths, split_graph
 from .stages import boundary_values, rank_params
 
 
@@ -37,7 +38,10 @@ class _DryCollective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
-        return x.new_empty(comm.dst) if comm.moves_forward else x
+        out = comm_forward(comm.name, comm.keep, lambda phase: x.new_empty(comm.dst) if comm.moves_forward else x)
+        if comm.gathers:
+            note_gathered(out, x, lambda shard: shard.new_empty(comm.dst))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -45,8 +49,9 @@ class _DryCollective(torch.autograd.Function):
 
 
 class DryComm(nn.Module):
-    def __init__(self, spec, sizes):
+    def __init__(self, spec, sizes, mode: str = "none"):
         super().__init__()
+        self.name, self.keep, self.gathers = spec.name, kept(spec, mode), gathers(spec)
         self.src = local_shape(spec.shape, spec.src, sizes)
         self.dst = local_shape(spec.shape, spec.dst, sizes)
         self.moves_forward = spec.src != spec.dst
@@ -57,25 +62,28 @@ class DryComm(nn.Module):
 
 
 def cpu_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-    """The kernel CPU runs use for attention (flash-for-CPU, which keeps only log-sum-exp for
-    backward); the meta device would otherwise take the math path, which keeps the whole
-    attention matrix."""
-    if attn_mask is not None or enable_gqa:
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-        )
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    """The kernel CPU runs use for attention, which torch's dispatcher picks on CPU for every dtype,
+    mask and grouped-query shape (flash-for-CPU: it keeps q, k, v, the output and the log-sum-exp for
+    backward); the meta device would otherwise take the math path, which keeps the whole attention
+    matrix. A boolean mask becomes an additive one first, as torch does on CPU."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -math.inf)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 _SDPA = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 
 
 def _dry_graph(graph: fx.Graph) -> fx.Graph:
-    """The compiled graph with parameters read directly (no DTensor) and CPU's attention kernel."""
+    """The compiled graph with parameters read directly (no DTensor), CPU's attention kernel, and the
+    tensors it makes (masks, positions) made on the meta device, wherever it was traced."""
     new = fx.Graph()
     new.output(new.graph_copy(graph, {}))
     copy_codegen(graph, new)
+    meta = lambda a: torch.device("meta") if isinstance(a, torch.device) else a  # noqa: E731
     for node in list(new.nodes):
+        node.args, node.kwargs = fx.node.map_aggregate(node.args, meta), fx.node.map_aggregate(node.kwargs, meta)
         if node.op == "call_method" and node.target == "to_local":
             node.replace_all_uses_with(node.args[0])
             new.erase_node(node)
@@ -84,36 +92,41 @@ def _dry_graph(graph: fx.Graph) -> fx.Graph:
     return new
 
 
-def _param_bytes(compiled: Compiled, dtype: torch.dtype) -> dict[str, int]:
-    return {
-        n: math.prod(compiled.local_param_shape(n)) * torch.empty((), dtype=dtype).element_size()
-        for n in compiled.traced.params
-    }
+def dry_module(compiled: Compiled, graph: fx.Graph, every_param: bool = False) -> tuple[fx.GraphModule, dict]:
+    """`graph` (the compiled graph, or a stage's) on meta tensors of one rank's local shapes: parameters
+    (all of them with `every_param`, else those it reads) and buffers in the compute dtype, the
+    collectives as `DryComm`s and the rank-dependent ops' local math. Returns it and its parameters."""
+    opts = compiled.options
+    compute = getattr(torch, opts.precision.param)
+    comms = {c.name: c for c in compiled.comms}
+    specials = {c.name: c for c in compiled.specials}
+    root, params = nn.Module(), {}
+    read = {n.target for n in graph.nodes if n.op == "get_attr"}
+    for name, p in compiled.traced.params.items():
+        if every_param or name in read:
+            t = torch.empty(compiled.local_param_shape(name), dtype=compute, device="meta")
+            params[name] = nn.Parameter(t, requires_grad=p.requires_grad)
+            set_attr(root, name, params[name])
+    for name, b in compiled.buffers.items():
+        if name in read:
+            dtype = compute if b.is_floating_point() else b.dtype
+            set_attr(root, name, torch.empty(tuple(b.shape), dtype=dtype, device="meta"))
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target in comms:
+            root.add_module(node.target, DryComm(comms[node.target], compiled.axes.sizes, opts.recompute))
+        elif node.op == "call_module" and node.target in specials:
+            root.add_module(node.target, special_module(specials[node.target], {}))
+    return fx.GraphModule(root, _dry_graph(graph)), params
 
 
 def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str, int]:
     """Estimated bytes per rank: the peak during a step, and its parts (model state, step extra)."""
     opts = compiled.options
-    axes = compiled.axes
     compute = getattr(torch, opts.precision.param)
     full = next(iter(compiled.traced.params.values())).dtype
     mixed = compute in (torch.bfloat16, torch.float16)
     n_dp = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes) if compiled.data_axes else 1
-    root = nn.Module()
-    params = {}
-    for name, p in compiled.traced.params.items():
-        t = torch.empty(compiled.local_param_shape(name), dtype=compute if opts.zero < 2 else compute, device="meta")
-        params[name] = nn.Parameter(t, requires_grad=p.requires_grad)
-        set_attr(root, name, params[name])
-    for name, b in compiled.buffers.items():
-        set_attr(
-            root, name, torch.empty(tuple(b.shape), dtype=compute if b.is_floating_point() else b.dtype, device="meta")
-        )
-    for spec in compiled.comms:
-        root.add_module(spec.name, DryComm(spec, axes.sizes))
-    for spec in compiled.specials:
-        root.add_module(spec.name, special_module(spec, {}))
-    gm = fx.GraphModule(root, _dry_graph(compiled.graph))
+    gm, params = dry_module(compiled, compiled.graph, every_param=True)
     layers = len(layer_paths(model))
     if opts.recompute != "none" or opts.zero >= 2:
         gm = split_graph(gm, {n.name: k for n, k in compiled.parts.items()}, layers)
@@ -129,8 +142,9 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
         if opts.zero >= 2:  # the gathered copies: charged by the hooks while FSDP would hold them
             tracker.ignore(params.values())
             hooks = _fsdp_hooks(gm, layers, tracker, opts.zero, n_dp, full.itemsize)
-        local = [_local_input(compiled, name, x) for name, x in zip(compiled.input_names, batch)]
-        loss = gm(*local)
+        local = [local_input(compiled, name, x) for name, x in zip(compiled.input_names, batch)]
+        with keeping_shards():
+            loss = gm(*local)
         loss = loss[0] if isinstance(loss, (tuple, list)) else loss
         forward = tracker.live
         loss.backward()
@@ -139,7 +153,7 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
     return {"peak": tracker.peak, "model_state": base, "step": tracker.peak - base, "after_forward": forward}
 
 
-def _local_input(compiled: Compiled, name: str, x: torch.Tensor) -> torch.Tensor:
+def local_input(compiled: Compiled, name: str, x: torch.Tensor) -> torch.Tensor:
     shape = local_shape(tuple(x.shape), compiled.input_layouts[name], compiled.axes.sizes)
     return torch.empty(shape, dtype=x.dtype, device="meta")
 
@@ -241,27 +255,10 @@ def _stage_run(compiled: Compiled, s: int, split: bool = False) -> StageRun:
     """One microbatch through stage `s` on meta tensors (`split`: its backward as an I then a W action,
     through torch's own `stage_backward_input` / `stage_backward_weight`)."""
     stages, opts = compiled.stages, compiled.options
-    compute = getattr(torch, opts.precision.param)
-    graph = stages.graphs[s]
-    root, params = nn.Module(), []
-    comms = {c.name: c for c in compiled.comms}
-    specials = {c.name: c for c in compiled.specials}
-    for node in graph.nodes:
-        if node.op == "get_attr" and node.target in compiled.traced.params:
-            shape = compiled.local_param_shape(node.target)
-            params.append(nn.Parameter(torch.empty(shape, dtype=compute, device="meta")))
-            # a weight's gradient is in the model state already: here it only passes through
-            params[-1].register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-            set_attr(root, node.target, params[-1])
-        elif node.op == "get_attr" and node.target in compiled.buffers:
-            b = compiled.buffers[node.target]
-            dtype = compute if b.is_floating_point() else b.dtype
-            set_attr(root, node.target, torch.empty(tuple(b.shape), dtype=dtype, device="meta"))
-        elif node.op == "call_module" and node.target in comms:
-            root.add_module(node.target, DryComm(comms[node.target], compiled.axes.sizes))
-        elif node.op == "call_module" and node.target in specials:
-            root.add_module(node.target, special_module(specials[node.target], {}))
-    gm = fx.GraphModule(root, _dry_graph(graph))
+    gm, by_name = dry_module(compiled, stages.graphs[s])
+    params = list(by_name.values())
+    for p in params:  # a weight's gradient is in the model state already: here it only passes through
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     if opts.recompute != "none":
         gm = split_graph(gm, {n.name: k for n, k in compiled.parts.items()}, compiled.layers)
         for name, child in list(gm.named_children()):
@@ -273,7 +270,8 @@ def _stage_run(compiled: Compiled, s: int, split: bool = False) -> StageRun:
         tracker.ignore(params)
         tracker.baseline([*inputs, *gm.buffers()])
         base = tracker.live
-        out = gm(*inputs)
+        with keeping_shards():
+            out = gm(*inputs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         outs = [t for t in outs if torch.is_tensor(t) and t.requires_grad]
         kept, forward = tracker.live - base, tracker.peak - base

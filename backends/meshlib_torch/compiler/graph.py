@@ -20,7 +20,7 @@ from meshlib import Mesh
 
 from . import annotate as _annotate
 from .call import Call
-from .dryrun import dry_peak
+from .dryrun import dry_peak, local_input
 from .localize import fold_scalars, localize
 from .moe import check_not_moe
 from .placements import Shard
@@ -28,6 +28,8 @@ from .program import Compiled, Options, check_zero, data_axes, input_layouts, mo
 from .propagate import Axes, propagate
 from .records import plan_of, with_data_parallel
 from .redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
+from .remat import Remat, gathers
+from .saved import census, remat_of
 from .shapes import ragged_dims
 from .split import layer_paths, partition
 from .trace import trace
@@ -60,12 +62,22 @@ def compile_graph(
         compiled = _compile(
             model, mesh, rules, call, in_specs, sequence_parallel, tp_axis, seq_dim, options, count_flops
         )
+    compiled.remat = _remat(compiled, call)
     memory = model_state(compiled)
     if estimate_memory:
         dry = dry_peak(compiled, model, batch=list(call.tensors.values()))
         memory = dataclasses.replace(memory, activations=dry["step"], peak=dry["peak"])
     compiled.plan = compiled.plan.replace(memory=memory)
     return compiled
+
+
+def _remat(compiled: Compiled, call: Call) -> Remat:
+    """What recompute runs again and what backward gathers again, from one forward on meta that notes
+    what each op keeps for backward (`saved.census`); nothing to find without either."""
+    if compiled.options.recompute == "none" and not any(gathers(c) for c in compiled.comms):
+        return Remat()
+    inputs = [local_input(compiled, name, x) for name, x in call.tensors.items()]
+    return remat_of(compiled, census(compiled, inputs))
 
 
 def _refuse_data_gathers(comms: list[CommSpec], plans, axes: Axes, data: tuple[str, ...]) -> None:

@@ -127,7 +127,7 @@ def stage_collectives(compiled, stages, core, m: int, pp_axis: str) -> list[Coll
             mods = {n.target for n in graph.nodes if n.op == "call_module"}
             comms = [c for c in compiled.comms if c.name in mods]
             specials = [c for c in compiled.specials if c.name in mods]
-            out += graph_collectives(comms, specials, compiled.axes, count=m, pp_rank=place[s])
+            out += graph_collectives(comms, specials, compiled.axes, count=m, pp_rank=place[s], remat=compiled.remat)
     else:  # the eager stages' one collective: the loss's mean over the data axes, on the last stage
         out += [dataclasses.replace(c, pp_rank=place[-1]) for c in compiled.plan.collectives if c.op == "loss"]
     held = rank_params(stages, place)

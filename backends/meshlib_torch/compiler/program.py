@@ -23,6 +23,7 @@ from .localize import SpecialSpec
 from .placements import Layout, Shard, zero1_split
 from .propagate import Axes, NodePlan
 from .redistribute import CommSpec
+from .remat import Remat
 from .shapes import local_shape, ragged_dims, shard_indices
 from .trace import Traced
 
@@ -72,6 +73,7 @@ class Compiled:
     microbatches: int = 1
     pp_axis: str = "pp"
     layers: int = 0  # the model's layers (its longest ModuleList): blocks for FSDP2 and recompute
+    remat: Remat = field(default_factory=Remat)  # collectives recompute runs again, all-gathers backward repeats
 
     def rank_indices(self, name: str, rank: int) -> list:
         """Per dim, the global indices of parameter `name` that `rank` holds."""

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .bind import OpView, bind
 from .ops import RULES, Strategy
-from .placements import INF, Layout, R, Shard, cost
+from .placements import INF, PARTIAL, Layout, Partial, R, Shard, cost
 from .shapes import dim_ways, divides
 
 
@@ -76,11 +76,24 @@ def _choose(view: OpView, cur: list[Layout], axes: Axes, i: int, shape_after: li
             if x.meta.get("param") and dst != src:
                 step *= PARAM_MOVE_PENALTY  # declared parameter layouts are kept; activations move instead
             total += step
+        if hint and isinstance(strat.output, Partial):
+            total += _partial_debt(view, hint[0], n)
         if total < best_cost:
             best, best_cost = strat, total
     if best is None:
         raise AssertionError(f"no strategy fits {view.node} on axis {name}")
     return best
+
+
+def _partial_debt(view: OpView, shard: Shard, n: int) -> float:
+    """What a partial sum on a sequence-parallel axis will cost: every consumer that is not linear in
+    it reduce-scatters it to the sequence shard (Megatron's g-bar), forward and backward. Charged where
+    the partial is made, so that a sum already reduce-scattered (the residual stream) stays the shard,
+    with the other summand reduce-scattered into it, rather than staying partial at full size: the same
+    bytes move, but a layer then keeps and sends 1/n of the activation, as in Megatron."""
+    out = view.out
+    shape = view.local[1] if view.local is not None else tuple(out.shape)
+    return cost(PARTIAL, shard, math.prod(shape) * out.element_size(), n, slice_ok=True, grad=out.requires_grad)
 
 
 def fits(view: OpView, strat: Strategy, n: int, shape_after: list, uneven: bool = False, cut=None) -> bool:

@@ -29,10 +29,13 @@ from .source import source_line
 from .trace import Traced
 
 
-def graph_collectives(comms, specials, axes: Axes, *, count: int = 1, pp_rank: int = -1) -> list[Collective]:
+def graph_collectives(
+    comms, specials, axes: Axes, *, count: int = 1, pp_rank: int = -1, remat=None
+) -> list[Collective]:
     """The collectives of one run of a graph holding `comms` and `specials`, `count` runs per step
-    (a microbatch each) on the ranks at pp coordinate `pp_rank`."""
-    records = collective_records(comms, axes) + special_records(specials, axes)
+    (a microbatch each) on the ranks at pp coordinate `pp_rank`; `remat`: what recompute and
+    backward run again (`saved.remat_of`)."""
+    records = collective_records(comms, axes, remat) + special_records(specials, axes)
     return [
         Collective(
             r["kind"], r["axes"], r["bytes"], r["node"], r["op"], r["source"], r["reason"], r["phase"], count,
@@ -47,7 +50,7 @@ def step_collectives(compiled, m: int) -> list[Collective]:
     (gradient accumulation). The graph's run once per microbatch, the loss's sum over the data axes
     in the output dtype (the runtime runs it on the loss it returns); the gradients are synced once,
     and ZeRO-2/3 gather the parameters again for every microbatch (FSDP2 reshards after backward)."""
-    out = graph_collectives(compiled.comms, compiled.specials, compiled.axes, count=m)
+    out = graph_collectives(compiled.comms, compiled.specials, compiled.axes, count=m, remat=compiled.remat)
     deferred = deferred_loss(compiled)
     if deferred is not None:
         spec, _ = deferred

@@ -166,6 +166,7 @@ def _insert(gm, specs, x, have, need, grad_dst, first_user, val=None) -> fx.Node
         gm.add_submodule(name, Pending(spec))
         node = gm.graph.create_node("call_module", name, (x,))
     node.meta["val"] = val
+    node.meta["run_dtype"] = spec.dtype  # what it moves and returns as the model runs (bf16 under bf16 compute)
     node.meta["comm"] = spec
     return node
 
@@ -190,21 +191,30 @@ def data_gathers(specs: list[CommSpec], plans: dict[fx.Node, NodePlan], axes: Ax
     return out
 
 
-def collective_records(specs: list[CommSpec], axes: Axes) -> list[dict]:
-    """Per-step collectives with bytes per rank (payload: the value on one rank with that axis whole)."""
+REGATHER, RERUN = "again in backward: a saver keeps the shard", "again: the recomputed layer runs it"
+
+
+def collective_records(specs: list[CommSpec], axes: Axes, remat=None) -> list[dict]:
+    """Per-step collectives with bytes per rank (payload: the value on one rank with that axis whole).
+    `remat` (a `remat.Remat`): the forward again under "recompute" for those a recomputed layer
+    re-runs, and in backward for the all-gathers whose output backward gathers again."""
     out = []
     for spec in specs:
         itemsize = torch.empty((), dtype=spec.dtype).element_size()
-        for phase in ("forward", "backward"):
-            for k, axis, a, b in spec.steps(axes, phase):
-                lay = spec.src if phase == "forward" else spec.grad_dst
+        again = [("recompute", RERUN)] if remat is not None and spec.name in remat.rerun else []
+        again += [("backward", REGATHER)] if remat is not None and spec.name in remat.regather else []
+        for phase, step_phase, why in [("forward", "forward", ""), ("backward", "backward", "")] + [
+            (p, "forward", w) for p, w in again
+        ]:
+            for k, axis, a, b in spec.steps(axes, step_phase):
+                lay = spec.src if step_phase == "forward" else spec.grad_dst
                 n = dict(zip(axes.names, axes.sizes))[axis]
                 payload = math.prod(_moved_shape(spec.shape, lay, axes, axis, a, b)) * itemsize
+                reason = f"{a!r}->{b!r}" + (f" ({why})" if why else "")
                 out.append(
                     dict(
                         kind=k, axes=(axis,), bytes=int(payload), node=spec.producer, op=spec.op, source=spec.source,
-                        reason=f"{a!r}->{b!r}", phase=phase, group=n, bus=bus_bytes(k, payload, n),
-                        consumer=spec.consumer,
+                        reason=reason, phase=phase, group=n, bus=bus_bytes(k, payload, n), consumer=spec.consumer,
                     )
                 )  # fmt: skip
     return out

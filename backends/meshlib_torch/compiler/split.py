@@ -7,23 +7,19 @@ rank-dependent ops) belong to their first consumer's block. Nodes before the
 first block form "pre" (embeddings), nodes after the last form "post" (the
 final norm, the head, the loss). `split_graph` turns that into one submodule
 per part, called in order by a small top-level graph: the unit that FSDP
-shards and recompute wraps (`Recompute`: whole blocks, or all but their
-matmuls and attention, torch's selective checkpointing; collectives inside a
-block run again when it is recomputed, and the plan counts them).
+shards and recompute wraps (`remat.Recompute`).
 """
 
 from __future__ import annotations
 
 import re
-from functools import partial
 
-import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .modules import resolve, set_attr
+from .placements import Shard
 
 
 def layer_paths(model: nn.Module) -> list[str]:
@@ -70,7 +66,21 @@ def partition(graph: fx.Graph, layers: list[str]) -> dict[fx.Node, int]:
         if node not in parts:
             users = [parts[u] for u in node.users if u in parts]
             parts[node] = min(users) if users else len(layers) + 1
+    for node in nodes:  # ... but a collective that shrinks its value runs where the value is made
+        home = [parts[a] for a in node.all_input_nodes if a in parts]
+        if _shrinks(node) and home:
+            parts[node] = min(parts[node], home[0])
     return parts
+
+
+def _shrinks(node: fx.Node) -> bool:
+    """A collective whose output is a shard of its input (a reduce-scatter, a slice): Megatron's
+    sequence-parallel boundary. Run with its producer, a layer hands the next one (and a recomputed
+    layer keeps) the shard, not the whole value."""
+    spec = node.meta.get("comm")
+    if spec is None or spec.src == spec.dst:
+        return False
+    return all(a == b or (isinstance(b, Shard) and not isinstance(a, Shard)) for a, b in zip(spec.src, spec.dst))
 
 
 def split_graph(gm: fx.GraphModule, parts: dict[str, int], n_layers: int) -> fx.GraphModule:
@@ -142,29 +152,3 @@ def _del_attr(root: nn.Module, target: str) -> None:
     for part in parents:
         mod = getattr(mod, part)
     delattr(mod, last)
-
-
-aten = torch.ops.aten
-_KEEP = {
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default, aten.matmul.default,
-    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_attention_math.default,
-}  # fmt: skip
-
-
-def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class Recompute(nn.Module):
-    """Run `block` under activation checkpointing (`mode`: "block" or "selective")."""
-
-    def __init__(self, block: nn.Module, mode: str):
-        super().__init__()
-        self.block, self.mode = block, mode
-
-    def forward(self, *args):
-        if self.mode == "selective":
-            ctx = partial(create_selective_checkpoint_contexts, _policy)
-            return checkpoint(self.block, *args, use_reentrant=False, context_fn=ctx)
-        return checkpoint(self.block, *args, use_reentrant=False)

@@ -20,6 +20,7 @@ from torch import nn
 from ..compiler.placements import Partial, Replicate, Shard, chunk_rows, natural_grad
 from ..compiler.placements import kind as pl_kind
 from ..compiler.redistribute import CommSpec
+from ..compiler.remat import comm_forward, gathers, kept, note_gathered
 from ..compiler.shapes import padded
 
 
@@ -201,11 +202,15 @@ def _order(pairs: list) -> list:
 class Comm(nn.Module):
     """One inserted redistribution, bound to the process groups of its axes."""
 
-    def __init__(self, spec: CommSpec, axes, groups: dict, ranks: dict, counter: CommCounter = COUNTER):
+    def __init__(
+        self, spec: CommSpec, axes, groups: dict, ranks: dict, counter: CommCounter = COUNTER, mode: str = "none"
+    ):
         super().__init__()
         self.spec, self.axes, self.groups, self.ranks, self.counter = spec, axes, groups, ranks, counter
         self.sizes = dict(zip(axes.names, axes.sizes))
         self.sync = True  # False skips backward all-reduces of partial gradients (accumulation)
+        self.keep = kept(spec, mode)  # under recompute: cached through it (else it runs again)
+        self.gathers = gathers(spec)  # only gathers: backward may gather again what it keeps as the shard
 
     def run(self, x: torch.Tensor, frm, to, phase: str) -> torch.Tensor:
         pairs = [(name, a, b) for name, a, b in zip(self.axes.names, frm, to) if a != b]
@@ -245,8 +250,12 @@ class _CommFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: Comm):
         ctx.comm = comm
+        spec = comm.spec
         with torch.no_grad():
-            return comm.run(x, comm.spec.src, comm.spec.dst, "forward")
+            out = comm_forward(spec.name, comm.keep, lambda phase: comm.run(x, spec.src, spec.dst, phase))
+        if comm.gathers:
+            note_gathered(out, x, lambda shard: comm.run(shard, spec.src, spec.dst, "backward"))
+        return out
 
     @staticmethod
     def backward(ctx, grad):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from ..compiler.split import Recompute
+from ..compiler.remat import Recompute, gathers, keep_shards
 
 
 def apply_recompute(par) -> None:
     """Wrap every layer block in `Recompute` ("block": keep its inputs only; "selective": keep its
-    matmuls' and attention's outputs too), in the graph or in each of this rank's stages."""
+    collectives', projections' and attention's outputs too), in the graph or in each of this rank's
+    stages; and keep the all-gathered values backward needs as their shards (`remat.keeping_shards`)."""
+    if any(gathers(spec) for spec in par.compiled.comms):  # sequence parallelism's all-gathers
+        for module in par.stage_modules:
+            keep_shards(module)
     mode = par.compiled.options.recompute
     if mode == "none":
         return

@@ -18,7 +18,7 @@ from ..comm import Comm, reducer
 def bind_collectives(root: nn.Module, compiled, groups: dict, coords: dict) -> None:
     """Add the compiled collectives and rank-dependent ops to `root`, by the names the graph calls them."""
     for spec in compiled.comms:
-        root.add_module(spec.name, Comm(spec, compiled.axes, groups, coords))
+        root.add_module(spec.name, Comm(spec, compiled.axes, groups, coords, mode=compiled.options.recompute))
     for spec in compiled.specials:
         root.add_module(spec.name, special_module(spec, coords, reducer(groups)))
 
