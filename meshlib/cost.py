@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "ModelState", "ZERO_ALIASES", "dp_comm_bytes", "fsdp2_memory", "min_max_partition", "tp_comm_bytes", "zero_level",
-    "zero_memory",
+    "ModelState", "ZERO_ALIASES", "activation_bytes", "dp_comm_bytes", "fsdp2_memory", "min_max_partition",
+    "tp_comm_bytes", "zero_level", "zero_memory",
 ]  # fmt: skip
 
 # FSDP's and DeepSpeed's names for the levels
@@ -89,6 +89,32 @@ def dp_comm_bytes(psi_bytes: float, n: int, *, zero: int | str) -> float:
 def tp_comm_bytes(b: int, s: int, h: int, layers: int, t: int, *, itemsize: int = 4) -> float:
     """Megatron's minimum: per layer two all-reduces of b*s*h forward and two backward (bus bytes per rank)."""
     return 4 * layers * 2 * b * s * h * itemsize * (t - 1) / t if t > 1 else 0.0
+
+
+def activation_bytes(
+    s: int, b: int, h: int, a: int, *, t: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
+    """Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+    section 4): the bytes one GPT layer keeps for backward, in 16-bit activations with 1-byte dropout
+    masks, for sequence `s`, microbatch `b`, hidden `h`, `a` heads, tensor-parallel degree `t`.
+
+    - none: sbh(34 + 5as/h) on one device; with tensor parallelism sbh(10 + 24/t + 5as/(ht)) (the
+      norms', dropouts' and first projections' inputs are not split); with sequence parallelism
+      too, sbh(34/t + 5as/(ht)) (everything is split);
+    - "selective" (recompute the attention's softmax, its dropout and the product with the values:
+      the 5as/h term): sbh(10 + 24/t), or sbh(34/t) with sequence parallelism;
+    - "block" (full recompute: keep each layer's input): 2sbh, or 2sbh/t with sequence parallelism.
+
+    Example:
+        >>> activation_bytes(2048, 1, 12288, 96, t=8, sp=True) / (2048 * 12288)  # GPT-3 175B's layer
+        14.25
+    """
+    sbh = s * b * h
+    scores = 5 * a * s / (h * t)
+    if recompute == "block":
+        return 2 * sbh / (t if sp else 1)
+    split = 34 / t if sp else 10 + 24 / t
+    return sbh * (split + (scores if recompute == "none" else 0.0))
 
 
 def fsdp2_memory(psi: float, n: int, *, itemsize: int = 4) -> ModelState:

@@ -24,7 +24,7 @@ from ._table import Table, human_bytes
 from .mesh import Mesh
 from .spec import P
 
-__all__ = ["Plan", "Collective", "Stage", "Boundary", "Precision", "Memory", "COLLECTIVE_KINDS"]
+__all__ = ["Plan", "Collective", "Stage", "Boundary", "Precision", "Memory", "Kept", "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 PHASES = ("forward", "recompute", "backward", "optimizer", "step")
@@ -157,6 +157,19 @@ class Memory:
 
 
 @dataclass(frozen=True, slots=True)
+class Kept:
+    """What one layer keeps for its backward, per microbatch on one rank: the live bytes its forward
+    adds and holds until its backward (its output included, which the next layer holds as its input),
+    as the plan's recompute mode runs it. `items`: what the layer saves for backward without recompute,
+    by value, largest first: `(value, bytes)`, the value named by the op that made it and the ops that
+    keep it."""
+
+    layer: str
+    bytes: int
+    items: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     mesh: Mesh
     specs: tuple[tuple[str, P], ...] = ()
@@ -177,6 +190,7 @@ class Plan:
     pp_axis: str = ""  # the pipeline's mesh axis ("" without a pipeline)
     # with a pipeline, the memory of the ranks at each pp coordinate (`memory` is the most loaded's)
     stage_memory: tuple[Memory, ...] = ()
+    kept: tuple[Kept, ...] = ()  # per layer, what it keeps for backward per microbatch (the dry run's)
 
     def __post_init__(self):
         _set = object.__setattr__
@@ -186,7 +200,7 @@ class Plan:
             _set(self, "notes", tuple(self.notes.items()))
         if isinstance(self.placements, Mapping):
             _set(self, "placements", tuple((k, tuple(v)) for k, v in self.placements.items()))
-        for name in ("collectives", "stages"):
+        for name in ("collectives", "stages", "kept"):
             _set(self, name, tuple(getattr(self, name)))
         for path, spec in self.specs:
             if not isinstance(spec, P):

@@ -29,7 +29,7 @@ from .propagate import Axes, propagate
 from .records import plan_of, with_data_parallel
 from .redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
 from .remat import Remat, gathers
-from .saved import census, remat_of
+from .saved import Census, census, kept_layers, remat_of
 from .shapes import ragged_dims
 from .split import layer_paths, partition
 from .trace import trace
@@ -52,32 +52,40 @@ def _gc_paused():
 def compile_graph(
     model: torch.nn.Module, call: Call, /, *, mesh: Mesh, rules, options: Options, in_specs=None,
     sequence_parallel: bool = False, tp_axis: str = "tp", seq_dim: int = 1, estimate_memory: bool = False,
-    count_flops: bool = False,
+    count_flops: bool = False, estimate_kept: bool = False,
 ) -> Compiled:  # fmt: skip
     """One graph for `mesh`, called as `call`: its plan, and its model state per rank (with
-    `estimate_memory`, the dry run's activations and peak too). `count_flops` notes each op's
-    forward FLOPs on its node (`meta["flops"]`, a pipeline's stage cost)."""
+    `estimate_memory`, the dry run's activations and peak too, and what each layer keeps for
+    backward; `estimate_kept` the latter alone). `count_flops` notes each op's forward FLOPs on
+    its node (`meta["flops"]`, a pipeline's stage cost)."""
     check_not_moe(model)
     with _gc_paused():
         compiled = _compile(
             model, mesh, rules, call, in_specs, sequence_parallel, tp_axis, seq_dim, options, count_flops
         )
-    compiled.remat = _remat(compiled, call)
+    estimate_kept = (estimate_memory or estimate_kept) and compiled.layers > 0
+    found = _census(compiled, call, estimate_kept)
+    compiled.remat = remat_of(compiled, found) if found is not None else Remat()
     memory = model_state(compiled)
     if estimate_memory:
         dry = dry_peak(compiled, model, batch=list(call.tensors.values()))
         memory = dataclasses.replace(memory, activations=dry["step"], peak=dry["peak"])
-    compiled.plan = compiled.plan.replace(memory=memory)
+    kept = kept_layers(compiled, _local_inputs(compiled, call), found) if estimate_kept else ()
+    compiled.plan = compiled.plan.replace(memory=memory, kept=kept)
     return compiled
 
 
-def _remat(compiled: Compiled, call: Call) -> Remat:
-    """What recompute runs again and what backward gathers again, from one forward on meta that notes
-    what each op keeps for backward (`saved.census`); nothing to find without either."""
-    if compiled.options.recompute == "none" and not any(gathers(c) for c in compiled.comms):
-        return Remat()
-    inputs = [local_input(compiled, name, x) for name, x in call.tensors.items()]
-    return remat_of(compiled, census(compiled, inputs))
+def _census(compiled: Compiled, call: Call, estimate_memory: bool) -> Census | None:
+    """What each op keeps for backward (`saved.census`: one forward on meta), where the plan needs it:
+    to count what recompute runs again and what backward gathers again, and with `estimate_memory`
+    to say what each layer keeps."""
+    if not estimate_memory and compiled.options.recompute == "none" and not any(gathers(c) for c in compiled.comms):
+        return None
+    return census(compiled, _local_inputs(compiled, call))
+
+
+def _local_inputs(compiled: Compiled, call: Call) -> list[torch.Tensor]:
+    return [local_input(compiled, name, x) for name, x in call.tensors.items()]
 
 
 def _refuse_data_gathers(comms: list[CommSpec], plans, axes: Axes, data: tuple[str, ...]) -> None:
@@ -155,7 +163,7 @@ def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, opt
     )
     compiled.data_axes, compiled.options, compiled.synced_params = data, options, synced
     paths = layer_paths(model)
-    compiled.parts, compiled.layers = partition(gm.graph, paths), len(paths)
+    compiled.parts, compiled.layers, compiled.layer_paths = partition(gm.graph, paths), len(paths), paths
     return compiled
 
 

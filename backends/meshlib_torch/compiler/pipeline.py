@@ -53,7 +53,7 @@ def compile_pipeline(
     try:
         compiled = compile_graph(
             model, micro, mesh=mesh, rules=rules, options=options, in_specs=in_specs,
-            sequence_parallel=sequence_parallel, estimate_memory=False, count_flops=balance == "flops",
+            sequence_parallel=sequence_parallel, estimate_kept=estimate_memory, count_flops=balance == "flops",
         )  # fmt: skip
     except Untraceable as reason:
         costs = layer_costs(model, layers, micro, by=balance)

@@ -73,6 +73,7 @@ class Compiled:
     microbatches: int = 1
     pp_axis: str = "pp"
     layers: int = 0  # the model's layers (its longest ModuleList): blocks for FSDP2 and recompute
+    layer_paths: list[str] = field(default_factory=list)  # their FQNs
     remat: Remat = field(default_factory=Remat)  # collectives recompute runs again, all-gathers backward repeats
 
     def rank_indices(self, name: str, rank: int) -> list:

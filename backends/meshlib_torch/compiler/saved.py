@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from meshlib import Kept
+
 from ..torch_private import pytree
-from .remat import Remat, gathers, kept
+from .remat import Recompute, Remat, gathers, keeping_shards, kept
 
 
 @dataclass
@@ -34,6 +36,8 @@ class Census:
     made: dict[int, str] = field(default_factory=dict)  # storage key -> the node whose value it is
     nbytes: dict[int, int] = field(default_factory=dict)  # storage key -> bytes
     order: dict[str, int] = field(default_factory=dict)  # node -> position in the graph
+    inner: set[int] = field(default_factory=set)  # storages an op made for itself (not its output)
+    outputs: dict[str, int] = field(default_factory=dict)  # node -> the storage of its (first) output
 
     def saved_by(self, names) -> dict[int, int]:
         """The storages the nodes in `names` save, with their bytes (each once)."""
@@ -48,24 +52,32 @@ def _key(t: torch.Tensor) -> int:
 class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, census: Census):
         super().__init__(gm)
-        self.census, self.current = census, None
+        self.census, self.current, self.fresh = census, None, set()
         self.alive: list = []  # every value and saved tensor stays alive: a storage's key is never reused
 
     def run_node(self, n: fx.Node):
-        self.current = n.name
+        self.current, self.fresh = n.name, set()
         out = super().run_node(n)
         self.alive.append(out)
         for t in pytree.tree_leaves(out):
             if torch.is_tensor(t):
-                self.census.made.setdefault(_key(t), n.name)
-                self.census.nbytes.setdefault(_key(t), t.untyped_storage().nbytes())
+                self.census.outputs.setdefault(n.name, _key(t))
+                self._note(_key(t), t, n.name)
+                if _key(t) in self.fresh:
+                    self.census.inner.discard(_key(t))
         return out
+
+    def _note(self, key: int, t: torch.Tensor, maker: str) -> None:
+        self.census.made.setdefault(key, maker)
+        self.census.nbytes.setdefault(key, t.untyped_storage().nbytes())
 
     def pack(self, t: torch.Tensor):
         self.alive.append(t)
         key = _key(t)
-        self.census.made.setdefault(key, self.current)  # made inside the op (a mask, statistics)
-        self.census.nbytes.setdefault(key, t.untyped_storage().nbytes())
+        if key not in self.census.made:  # made by the running op: its output, or its own (a mask, statistics)
+            self.fresh.add(key)
+            self.census.inner.add(key)
+        self._note(key, t, self.current)
         self.census.packs.setdefault(self.current, []).append(key)
         return t
 
@@ -81,6 +93,81 @@ def census(compiled, inputs: list[torch.Tensor]) -> Census:
     with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
         recorder.run(*inputs)
     return found
+
+
+def kept_layers(compiled, inputs: list[torch.Tensor], found: Census | None = None) -> tuple[Kept, ...]:
+    """Per layer, the bytes its forward adds and keeps until its backward (one microbatch, one rank,
+    the plan's recompute mode: a dry forward on meta, each layer's live bytes after it less before),
+    and what it saves without recompute (`found`, by value)."""
+    from ..memtrack import PeakTracker
+    from .dryrun import dry_module
+    from .split import split_graph
+
+    mode = compiled.options.recompute
+    gm, params = dry_module(compiled, compiled.graph)
+    gm = split_graph(gm, {n.name: k for n, k in compiled.parts.items()}, compiled.layers)
+    blocks = [getattr(gm, f"layer_{i}") for i in range(compiled.layers)]
+    if mode != "none":
+        for i, block in enumerate(blocks):
+            setattr(gm, f"layer_{i}", Recompute(block, mode))
+    live: list[int] = []  # before the first layer, then after each
+    tracker = PeakTracker()
+    hooks = [gm.layer_0.register_forward_pre_hook(lambda *_: live.append(tracker.live))]
+    hooks += [getattr(gm, f"layer_{i}").register_forward_hook(lambda *_: live.append(tracker.live))
+              for i in range(compiled.layers)]  # fmt: skip
+    with tracker, keeping_shards():
+        tracker.baseline([*params.values(), *gm.buffers(), *inputs])
+        gm(*inputs)
+    for h in hooks:
+        h.remove()
+    items = _items(compiled, found) if found is not None else {}
+    return tuple(
+        Kept(path, after - before, items.get(i + 1, ()))
+        for i, (path, before, after) in enumerate(zip(compiled.layer_paths, live, live[1:]))
+    )
+
+
+def _items(compiled, found: Census) -> dict[int, tuple[tuple[str, int], ...]]:
+    """Per part, what its nodes save for backward without recompute: activations only (not parameters
+    or buffers), an all-gathered value counted as the shard its savers keep (`remat.keeping_shards`)."""
+    nodes = {n.name: n for n in compiled.graph.nodes}
+    parts = {n.name: k for n, k in compiled.parts.items()}
+    comms = {c.name: c for c in compiled.comms}
+    shard_of = {}  # an all-gather's output -> its input (what is kept instead)
+    for n in compiled.graph.nodes:
+        if n.op == "call_module" and n.target in comms and gathers(comms[n.target]):
+            shard_of[n.name] = n.args[0].name
+    key_of = found.outputs
+    out: dict[int, dict[str, int]] = {}
+    for saver, keys in found.packs.items():
+        part = parts.get(saver)
+        if part is None:
+            continue
+        for k in set(keys):
+            maker = found.made[k]
+            node = nodes.get(maker)
+            if node is not None and _is_state(node):
+                continue
+            if maker in shard_of and shard_of[maker] in key_of:
+                maker, k = shard_of[maker], key_of[shard_of[maker]]
+            label = f"{maker} ({_op(nodes.get(maker))}{', kept by the op itself' if k in found.inner else ''})"
+            out.setdefault(part, {}).setdefault(label, {})[k] = found.nbytes[k]
+    out = {p: {label: sum(d.values()) for label, d in labels.items()} for p, labels in out.items()}
+    return {p: tuple(sorted(d.items(), key=lambda kv: -kv[1])) for p, d in out.items()}
+
+
+def _is_state(node: fx.Node) -> bool:
+    """A parameter or buffer, or a parameter's local shard: model state, not an activation."""
+    return node.op == "get_attr" or (node.op == "call_method" and node.target == "to_local")
+
+
+def _op(node) -> str:
+    if node is None:
+        return "?"
+    if node.op == "call_module":
+        return "collective" if str(node.target).startswith("comm") else str(node.target)
+    target = node.target
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
 def remat_of(compiled, found: Census) -> Remat:
@@ -110,4 +197,4 @@ def remat_of(compiled, found: Census) -> Remat:
     return Remat(frozenset(rerun), frozenset(regather))
 
 
-__all__ = ["Census", "census", "remat_of"]
+__all__ = ["Census", "census", "kept_layers", "remat_of"]

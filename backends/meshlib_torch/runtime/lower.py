@@ -79,9 +79,9 @@ def lower(compiled, dm, model: nn.Module, source: weights.Source) -> Lowered:
 
 
 def _in_layers(compiled, gm: fx.GraphModule) -> fx.GraphModule:
-    """`gm` cut into `pre`, `layer_<i>` (those it runs) and `post` where FSDP2 shards by layer or recompute
-    wraps layers; else as it is."""
-    if compiled.options.zero < 2 and compiled.options.recompute == "none":
+    """`gm` cut into `pre`, `layer_<i>` (those it runs) and `post`: the units FSDP2 shards and recompute
+    wraps, and where a user's hooks see each layer (`Parallel.blocks`). A model without layers as it is."""
+    if not compiled.layers:
         return gm
     return split_graph(gm, {n.name: k for n, k in compiled.parts.items()}, compiled.layers)
 
