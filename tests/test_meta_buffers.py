@@ -1,0 +1,197 @@
+"""Meta buffers filled by the nearest init code that owns them (`runtime.buffers.fill_meta_buffers`), one process.
+
+Method: small plain `nn.Module` trees built on the meta device, whose init code writes known constants
+(so which code ran is read off the values): a module's own `init_buffers()` wins over an ancestor's
+`init_weights()`; an ancestor's `_init_weights(module)` is called with the module that owns the buffer,
+as Hugging Face does; code that leaves a buffer unwritten (in whole or part) passes it on to the next
+ancestor; a parameter or buffer with values keeps them bit for bit however the init code re-draws them;
+and a buffer that nothing fills raises one error naming it, its owner, what was tried and the fix. The
+Hugging Face rotary embedding (transformers 5) is filled by its model's `_init_weights` and equals the
+one its constructor computes on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from meshlib_torch.runtime.buffers import fill_meta_buffers
+
+
+class Table(nn.Module):
+    """A buffer made in `__init__` alone (as rotary tables are), optionally with its own `init_buffers`."""
+
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.proj = nn.Linear(n, n)
+        self.register_buffer("table", torch.arange(n, dtype=torch.float32), persistent=False)
+
+
+class OwnInit(Table):
+    def init_buffers(self) -> None:
+        self.table.fill_(1.0)
+
+
+class Parent(nn.Module):
+    """`init_weights()` re-draws every parameter and writes 2 into every `table` below it."""
+
+    def __init__(self, child: nn.Module):
+        super().__init__()
+        self.child = child
+        self.head = nn.Linear(4, 4)
+
+    def init_weights(self) -> None:
+        for mod in self.modules():
+            for p in mod.parameters(recurse=False):
+                nn.init.normal_(p)
+            if hasattr(mod, "table"):
+                mod.table.fill_(2.0)
+
+
+class HFStyle(nn.Module):
+    """`_init_weights(module)`, called by Hugging Face for each module: writes 3 into a `table`, noting the module."""
+
+    def __init__(self, child: nn.Module):
+        super().__init__()
+        self.inner = nn.ModuleDict({"block": child})
+        self.seen = []
+
+    def _init_weights(self, module: nn.Module) -> None:
+        self.seen.append(module)
+        if isinstance(module, Table):
+            module.table.fill_(3.0)
+
+
+def _meta(build):
+    with torch.device("meta"):
+        return build()
+
+
+def test_the_owners_init_buffers_wins_over_an_ancestors_init_weights():
+    model = _meta(lambda: Parent(OwnInit()))
+    fill_meta_buffers(model, ["child.table"])
+    assert model.child.table.device.type == "cpu" and torch.equal(model.child.table, torch.ones(4))
+
+
+def test_the_nearest_ancestors_init_weights_fills_a_buffer_whose_owner_has_none():
+    model = _meta(lambda: Parent(Table()))
+    fill_meta_buffers(model, ["child.table"])
+    assert torch.equal(model.child.table, torch.full((4,), 2.0))
+
+
+def test_an_ancestors_init_weights_underscore_is_called_with_the_owning_module():
+    model = _meta(lambda: Parent(HFStyle(Table())))  # the nearer ancestor, HFStyle, wins over Parent
+    fill_meta_buffers(model, ["child.inner.block.table"])
+    assert torch.equal(model.child.inner.block.table, torch.full((4,), 3.0))
+    assert model.child.seen == [model.child.inner.block]
+
+
+class HalfFill(Table):
+    def init_buffers(self) -> None:  # writes half the table: the rest would be whatever memory held
+        self.table[:2] = 5.0
+
+
+def test_code_that_leaves_a_buffer_partly_unwritten_passes_it_to_the_next_ancestor():
+    model = _meta(lambda: Parent(HalfFill()))
+    fill_meta_buffers(model, ["child.table"])
+    assert torch.equal(model.child.table, torch.full((4,), 2.0))
+
+
+class IntTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("index", torch.arange(3), persistent=False)
+        self.register_buffer("mask", torch.ones(3, dtype=torch.bool), persistent=False)
+
+    def init_buffers(self) -> None:
+        self.index[0] = 7  # the other elements are left unwritten
+        self.mask.fill_(True)
+
+
+def test_integer_and_bool_buffers_left_unwritten_are_caught_too():
+    model = _meta(IntTable)
+    with pytest.raises(ValueError, match=r"  index \(a buffer of IntTable \(the root\), not persistent\): tried "
+                       r"IntTable\.init_buffers\(\) \(the root\): none wrote all of it") as err:  # fmt: skip
+        fill_meta_buffers(model, ["index", "mask"])
+    assert "mask" not in str(err.value)
+
+
+def test_parameters_and_buffers_with_values_are_not_re_initialised():
+    """The init code re-draws every parameter and writes every table; only the meta buffer changes."""
+    torch.manual_seed(0)
+    model = Parent(Table())
+    model.child.table = torch.empty(4, device="meta")  # the one buffer without values
+    model.register_buffer("kept", torch.tensor([9.0, 8.0]))
+    sibling = Table()
+    model.sib = sibling  # a real buffer of the same class, also written by init_weights
+    before = {n: t.clone() for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta}
+    objects = {n: t for n, t in model.named_parameters()}
+    fill_meta_buffers(model, ["child.table"])
+    assert torch.equal(model.child.table, torch.full((4,), 2.0))
+    for name, value in [*model.named_parameters(), *model.named_buffers()]:
+        if name != "child.table":
+            assert torch.equal(value, before[name]), name
+    assert all(p is objects[n] for n, p in model.named_parameters())  # the same Parameter objects, still trained
+
+
+def test_the_random_generator_is_left_as_it_was():
+    model = _meta(lambda: Parent(Table()))
+    torch.manual_seed(5)
+    fill_meta_buffers(model, ["child.table"])
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(after, torch.rand(3))
+
+
+def test_a_buffer_nothing_fills_raises_naming_it_its_owner_and_the_fix():
+    model = _meta(lambda: nn.Sequential(nn.Linear(4, 4), Table()))
+    with pytest.raises(ValueError) as err:
+        fill_meta_buffers(model, ["1.table"], why="weights= holds none of them")
+    msg = str(err.value)
+    assert "nothing gives them values (weights= holds none of them)" in msg
+    assert "1.table (a buffer of Table at '1', not persistent): no init code owns it: Table.__init__ alone" in msg
+    assert "Fix: give Table an init_buffers(self) that fills its buffers whole, as __init__ computes them" in msg
+    assert model[1].table.is_meta  # left as it came
+
+
+class Raises(Table):
+    def init_buffers(self) -> None:
+        raise RuntimeError("boom")
+
+
+def test_init_code_that_raises_is_named():
+    model = _meta(lambda: Parent(Raises()))
+    with pytest.raises(ValueError, match=r"Raises\.init_buffers\(\) at 'child', run to fill the meta buffers "
+                       r"child\.table, raised RuntimeError: boom") as err:  # fmt: skip
+        fill_meta_buffers(model, ["child.table"])
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+class Reshapes(Table):
+    def init_buffers(self) -> None:
+        self.table = torch.zeros(5)
+
+
+def test_init_code_that_changes_a_buffers_shape_raises():
+    model = _meta(Reshapes)
+    with pytest.raises(ValueError, match=r"made the buffer table \(5,\) torch\.float32, but the model has it \(4,\)"):
+        fill_meta_buffers(model, ["table"])
+
+
+def test_hugging_face_rotary_buffers_are_remade_by_the_models_init_weights():
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+    cfg = tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=16)  # fmt: skip
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = tf.LlamaForCausalLM(cfg)
+
+    model = _meta(Wrapper)
+    fill_meta_buffers(model, ["lm.model.rotary_emb.inv_freq"])
+    want = tf.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg).inv_freq  # the constructor's, on the CPU
+    torch.testing.assert_close(model.lm.model.rotary_emb.inv_freq, want, rtol=0, atol=0)
+    assert all(p.is_meta for p in model.parameters())
