@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..compiler.modules import set_attr
+from ..compiler.modules import has_attr, resolve, set_attr
 from ..compiler.program import deferred_loss
 from ..compiler.regions import apply_regions
 from ..compiler.split import split_graph
@@ -63,6 +63,7 @@ def lower(compiled, dm, model: nn.Module, source: weights.Source) -> Lowered:
         return nn.Parameter(value, requires_grad=p.requires_grad)
 
     real = real_buffers(model, compiled, source)  # before any collective: its errors are every rank's alike
+    real |= _constants(compiled, set(real))
     root = _take(compiled, model, mine, shard, device, source)
     buffers = {}
     for name, b in real.items():
@@ -180,6 +181,30 @@ def _why_meta(source: weights.Source | None) -> str:
     if kind == "init":
         return "init= draws parameters, not buffers"
     return "the model was given with them on the meta device"
+
+
+def _constants(compiled, buffers: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors the traced graph reads that are neither parameters nor the model's `buffers`: constants
+    torch.export lifted out of the forward (a KV cache's empty start, a tensor made from a Python list),
+    with values. One made on the meta device has none unless it is empty: it raises, naming it."""
+    out, unknown = {}, []
+    for node in compiled.graph.nodes:
+        name = node.target
+        if node.op != "get_attr" or name in compiled.traced.params or name in buffers or name in out:
+            continue
+        value = resolve(compiled.traced.gm, name) if has_attr(compiled.traced.gm, name) else None
+        if not torch.is_tensor(value) or isinstance(value, nn.Parameter):
+            continue
+        if value.is_meta and value.numel():
+            unknown.append(name)
+        out[name] = torch.empty(value.shape, dtype=value.dtype) if value.is_meta else value.detach()
+    if unknown:
+        raise ValueError(
+            f"the traced forward reads constants made on the meta device, whose values are unknown: "
+            f"{', '.join(unknown)}. Fix: make them buffers of their module, filled by its init_buffers(), or build "
+            "the model on the CPU"
+        )
+    return out
 
 
 def executable(graph: fx.Graph, device: torch.device, plain: bool = False, skip: set[str] = frozenset()) -> fx.Graph:
