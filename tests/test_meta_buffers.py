@@ -13,10 +13,17 @@ one its constructor computes on the CPU.
 from __future__ import annotations
 
 import pytest
+import real_models as rm
 import torch
+from safetensors.torch import save_model
 from torch import nn
 
+import meshlib as ml
+from meshlib_torch import compile_model, parallelize
 from meshlib_torch.runtime.buffers import fill_meta_buffers
+from meshlib_torch.runtime.lower import _constants
+from meshlib_torch.testing.pool import get_pool
+from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
 
 
 class Table(nn.Module):
@@ -216,8 +223,6 @@ class Shifted(nn.LayerNorm):
 
 
 def build_shifted() -> nn.Module:
-    import real_models as rm
-
     torch.manual_seed(0)
     model = rm.UntraceableNanoGPT()
     model.ln_f = Shifted(32)
@@ -236,12 +241,6 @@ def test_the_eager_pipeline_takes_buffers_from_the_checkpoint_and_the_owners_ini
     """pp=2 of the untraceable nanoGPT-style model from the meta device with `weights=`: `shift` is the
     checkpoint's (not the zeros `init_buffers` writes), `gain` is `init_buffers`'s, nested below a root that
     has no init code; losses, gradients and parameters equal the unmodified model's (fp64, 1e-12)."""
-    import real_models as rm
-    from safetensors.torch import save_model
-
-    from meshlib_torch.testing.pool import get_pool
-    from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
-
     save_model(build_shifted(), str(tmp_path / "model.safetensors"))
     options = {"weights": str(tmp_path / "model.safetensors"), "microbatches": 2}
     trial = Trial(meta_shifted, rm.nanogpt_batch, mesh="pp=2", rules=rm.rules_nanogpt, loss=1, options=options)
@@ -279,9 +278,6 @@ def made_in_forward_batch(step: int) -> tuple:
 def test_a_constant_lifted_out_of_the_forward_is_carried_to_the_ranks():
     """dp=2 against the unmodified model (fp32, 1e-6); the lowering once lost the constant (no attribute
     `lifted_tensor_0`)."""
-    from meshlib_torch.testing.pool import get_pool
-    from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
-
     trial = Trial(build_made_in_forward, made_in_forward_batch, mesh="dp=2")
     got = get_pool(2).run(run_parallel, trial)[0]
     assert dict(got.plan.notes)["trace"] == "export"
@@ -289,10 +285,6 @@ def test_a_constant_lifted_out_of_the_forward_is_carried_to_the_ranks():
 
 
 def test_a_constant_made_on_the_meta_device_raises_naming_it():
-    import meshlib as ml
-    from meshlib_torch import compile_model
-    from meshlib_torch.runtime.lower import _constants
-
     with torch.device("meta"):
         model = MadeInForward()
     compiled = compile_model(model, mesh=ml.Mesh(dp=2), rules=ml.pattern_rules({}, default=ml.P()),
@@ -300,3 +292,55 @@ def test_a_constant_made_on_the_meta_device_raises_naming_it():
     with pytest.raises(ValueError, match=r"reads constants made on the meta device, whose values are unknown: "
                        r"lifted_tensor_0\. Fix: make them buffers"):  # fmt: skip
         _constants(compiled, set())
+
+
+# -- a buffer nothing fills, on real gloo ranks -----------------------------------------------------------
+class Unfilled(nn.LayerNorm):
+    """A final norm with a computed buffer that only its `__init__` makes (`reset_parameters` leaves it)."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.register_buffer("gain", torch.linspace(1.0, 2.0, n), persistent=False)
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
+def build_unfilled() -> nn.Module:
+    torch.manual_seed(0)
+    model = rm.NanoGPT()
+    model.ln_f = Unfilled(32)
+    return model
+
+
+def _unfilled_on_a_rank(path: str) -> tuple[str, int]:
+    """The error `parallelize` raises on this rank, and the all-reduces issued before it."""
+    with torch.device("meta"):
+        model = build_unfilled()
+    calls, all_reduce = [], torch.distributed.all_reduce
+    torch.distributed.all_reduce = lambda *a, **k: calls.append(1) or all_reduce(*a, **k)
+    try:
+        parallelize(model, mesh=ml.Mesh(dp=2), rules=rm.rules_nanogpt(ml.Mesh(dp=2)),
+                    example_inputs=rm.nanogpt_batch(0), loss=1, weights=path)  # fmt: skip
+    except ValueError as err:
+        return str(err), len(calls)
+    finally:
+        torch.distributed.all_reduce = all_reduce
+    return "no error", len(calls)
+
+
+@pytest.mark.ranks
+def test_a_buffer_nothing_fills_raises_on_every_rank_before_any_collective(tmp_path):
+    save_model(build_unfilled(), str(tmp_path / "model.safetensors"))
+    results = get_pool(2).run(_unfilled_on_a_rank, str(tmp_path / "model.safetensors"))
+    assert len(set(results)) == 1, results
+    text, calls = results[0]
+    assert calls == 0
+    assert text == (
+        "the model's buffers are on the meta device and nothing gives them values (weights= holds none of them: a "
+        "checkpoint saves the persistent buffers alone):\n"
+        "  ln_f.gain (a buffer of Unfilled at 'ln_f', not persistent): tried Unfilled.reset_parameters() at 'ln_f': "
+        "none wrote all of it\n"
+        "Fix: give Unfilled an init_buffers(self) that fills its buffers whole, as __init__ computes them, or build "
+        "the model with real buffers and only its parameters on the meta device"
+    )
