@@ -118,8 +118,9 @@ class IntTable(nn.Module):
 
 def test_integer_and_bool_buffers_left_unwritten_are_caught_too():
     model = _meta(IntTable)
-    with pytest.raises(ValueError, match=r"  index \(a buffer of IntTable \(the root\), not persistent\): tried "
-                       r"IntTable\.init_buffers\(\) \(the root\): none wrote all of it") as err:  # fmt: skip
+    want = (r"  index \(a buffer of IntTable \(the root\), not persistent: no checkpoint saves it\): tried "
+            r"IntTable\.init_buffers\(\) \(the root\): none wrote all of it")  # fmt: skip
+    with pytest.raises(ValueError, match=want) as err:
         fill_meta_buffers(model, ["index", "mask"])
     assert "mask" not in str(err.value)
 
@@ -157,7 +158,8 @@ def test_a_buffer_nothing_fills_raises_naming_it_its_owner_and_the_fix():
         fill_meta_buffers(model, ["1.table"], why="weights= holds none of them")
     msg = str(err.value)
     assert "nothing gives them values (weights= holds none of them)" in msg
-    assert "1.table (a buffer of Table at '1', not persistent): no init code owns it: Table.__init__ alone" in msg
+    assert "1.table (a buffer of Table at '1', not persistent: no checkpoint saves it): no init code owns it: " in msg
+    assert "it: Table.__init__ alone makes its value" in msg
     assert "Fix: give Table an init_buffers(self) that fills its buffers whole, as __init__ computes them" in msg
     assert model[1].table.is_meta  # left as it came
 
@@ -173,6 +175,7 @@ def test_init_code_that_raises_is_named():
                        r"child\.table, raised RuntimeError: boom") as err:  # fmt: skip
         fill_meta_buffers(model, ["child.table"])
     assert isinstance(err.value.__cause__, RuntimeError)
+    assert model.child.table.is_meta  # left as it came
 
 
 class Reshapes(Table):
@@ -337,10 +340,9 @@ def test_a_buffer_nothing_fills_raises_on_every_rank_before_any_collective(tmp_p
     text, calls = results[0]
     assert calls == 0
     assert text == (
-        "the model's buffers are on the meta device and nothing gives them values (weights= holds none of them: a "
-        "checkpoint saves the persistent buffers alone):\n"
-        "  ln_f.gain (a buffer of Unfilled at 'ln_f', not persistent): tried Unfilled.reset_parameters() at 'ln_f': "
-        "none wrote all of it\n"
+        "the model's buffers are on the meta device and nothing gives them values (weights= does not hold them):\n"
+        "  ln_f.gain (a buffer of Unfilled at 'ln_f', not persistent: no checkpoint saves it): tried "
+        "Unfilled.reset_parameters() at 'ln_f': none wrote all of it\n"
         "Fix: give Unfilled an init_buffers(self) that fills its buffers whole, as __init__ computes them, or build "
         "the model with real buffers and only its parameters on the meta device"
     )

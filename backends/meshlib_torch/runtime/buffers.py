@@ -56,6 +56,7 @@ def _fill_owner(model: nn.Module, path: str, keys: list[str]) -> list[tuple[str,
             try:
                 run()
             except Exception as err:
+                _back_to_meta(owner, left, want)
                 raise ValueError(
                     f"{label}, run to fill the meta buffers {', '.join(_fqn(path, k) for k in left)}, raised "
                     f"{type(err).__name__}: {err}. Fix: make it fill them with the model's parameters on the meta "
@@ -65,9 +66,14 @@ def _fill_owner(model: nn.Module, path: str, keys: list[str]) -> list[tuple[str,
         left = [k for k in left if not _filled(owner, k, want[k], label, path)]
         if not left:
             return []
-    for k in left:  # back on the meta device, as they came
-        owner._buffers[k] = torch.empty(want[k][0], dtype=want[k][1], device="meta")
+    _back_to_meta(owner, left, want)
     return [(path, k, tried) for k in left]
+
+
+def _back_to_meta(owner: nn.Module, keys: list[str], want: dict) -> None:
+    """The buffers `keys` of `owner` left as they came: on the meta device."""
+    for k in keys:
+        owner._buffers[k] = torch.empty(want[k][0], dtype=want[k][1], device="meta")
 
 
 def _candidates(model: nn.Module, path: str) -> Iterator[tuple[str, Callable[[], None]]]:
@@ -158,7 +164,7 @@ def _message(model: nn.Module, unfilled: list[tuple[str, str, list[str]]], why: 
     for path, key, tried in unfilled:
         owner = model.get_submodule(path)
         classes.append(type(owner).__name__)
-        saved = "persistent, but not in the checkpoint" if key in owner.state_dict(keep_vars=True) else "not persistent"
+        saved = "persistent" if key in owner.state_dict(keep_vars=True) else "not persistent: no checkpoint saves it"
         how = (
             f"tried {', '.join(tried)}: none wrote all of it" if tried
             else f"no init code owns it: {type(owner).__name__}.__init__ alone makes its value"

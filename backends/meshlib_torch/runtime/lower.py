@@ -177,7 +177,7 @@ def real_buffers(model: nn.Module, compiled, source: weights.Source | None = Non
 def _why_meta(source: weights.Source | None) -> str:
     kind = source.kind if source is not None else "model"
     if kind == "file":
-        return "weights= holds none of them: a checkpoint saves the persistent buffers alone"
+        return "weights= does not hold them"
     if kind == "init":
         return "init= draws parameters, not buffers"
     return "the model was given with them on the meta device"
