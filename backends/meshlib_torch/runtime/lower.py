@@ -20,13 +20,14 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..compiler.modules import set_attr
+from ..compiler.modules import has_attr, resolve, set_attr
 from ..compiler.program import deferred_loss
 from ..compiler.regions import apply_regions
 from ..compiler.split import split_graph
 from ..torch_private import copy_codegen
 from . import dist as mdist
 from . import weights
+from .buffers import fill_meta_buffers
 from .dtensor import torch_placements
 from .parallelisms.tensor import bind_collectives
 from .parallelisms.zero import plain_parameters
@@ -61,9 +62,11 @@ def lower(compiled, dm, model: nn.Module, source: weights.Source) -> Lowered:
             value = DTensor.from_local(value, dm, torch_placements(layout), shape=p.shape, stride=_stride(p.shape))
         return nn.Parameter(value, requires_grad=p.requires_grad)
 
+    real = real_buffers(model, compiled, source)  # before any collective: its errors are every rank's alike
+    real |= _constants(compiled, set(real))
     root = _take(compiled, model, mine, shard, device, source)
     buffers = {}
-    for name, b in real_buffers(model, compiled, source).items():
+    for name, b in real.items():
         buffers[name] = b.to(device, dtype=compute if b.is_floating_point() else b.dtype)
         set_attr(root, name, buffers[name])
     source.finish({n: p for n, p in root.named_parameters()}, buffers)
@@ -119,10 +122,12 @@ def _lower_eager(compiled, model, names, local, source: weights.Source, *, devic
     def whole(name: str, p: torch.Tensor) -> nn.Parameter:
         return nn.Parameter(source.whole(name, p).to(device), requires_grad=p.requires_grad)
 
+    canon = {id(b): n for n, b in model.named_buffers()}
+    paths = {path: canon[id(b)] for path, b in model.named_buffers(remove_duplicate=False)}
+    real = real_buffers(model, compiled, source)  # before any collective, as the traced path does
     root = _take(compiled, model, names, whole, device, source)
-    real = real_buffers(model, compiled, source)  # meta buffers made real, as the traced path does
     source.finish(dict(root.named_parameters()), real)
-    buffers = dict(model.named_buffers(remove_duplicate=False))
+    buffers = {path: real[n] for path, n in paths.items() if n in real}  # every name of a shared buffer
     params = dict(root.named_parameters())
     aliases = compiled.traced.aliases
     modules = [_fill(compiled.stages.modules[s], params, buffers, aliases, device, compute) for s in local]
@@ -152,31 +157,53 @@ def _stride(shape) -> tuple[int, ...]:
 
 
 def real_buffers(model: nn.Module, compiled, source: weights.Source | None = None) -> dict[str, torch.Tensor]:
-    """The buffers the program reads, with values: from the checkpoint where it has them, else the model's
-    own; meta ones are re-made on the CPU and filled by the model's own init code (`init_buffers()`, or
-    `init_weights()` as Hugging Face and torchtitan models have it)."""
-    names = set(compiled.buffers)
+    """The buffers the program reads, with values: the checkpoint's where it holds them (a DCP checkpoint's
+    are read into them by `Source.finish`), else the model's own, a meta one filled by the nearest init code
+    that owns it (`buffers.fill_meta_buffers`; raises naming any none fills)."""
+    held = source.buffer_keys if source is not None else {}
     bufs = dict(model.named_buffers())
-    if any(b.is_meta for n, b in bufs.items() if n in names):
-        owners = [mod for mod in model.modules() if any(b.is_meta for b in mod.buffers(recurse=False))]
-        for mod in owners:
-            for bname, b in list(mod.named_buffers(recurse=False)):
-                if b.is_meta:
-                    setattr(mod, bname, torch.empty_like(b, device="cpu"))
-        fill = getattr(model, "init_buffers", None) or getattr(model, "init_weights", None)
-        if fill is None:
-            raise ValueError(
-                "the model's buffers are on the meta device and no checkpoint holds them; give the model an "
-                "init_buffers() (or init_weights()) that fills them, or build it with its buffers"
-            )
-        with torch.no_grad():
-            fill()
-        bufs = dict(model.named_buffers())
-    out = {n: bufs[n] for n in names if n in bufs}
-    for n in out:
+    names = [n for n in compiled.buffers if n in bufs]
+    fill_meta_buffers(model, [n for n in names if bufs[n].is_meta and n not in held], why=_why_meta(source))
+    bufs = dict(model.named_buffers())
+    out = {}
+    for n in names:
         value = source.buffer(n) if source is not None else None
-        if value is not None:
-            out[n] = value
+        if value is None and bufs[n].is_meta:  # a DCP checkpoint's: `finish` reads it in
+            value = torch.empty(bufs[n].shape, dtype=bufs[n].dtype)
+        out[n] = bufs[n] if value is None else value
+    return out
+
+
+def _why_meta(source: weights.Source | None) -> str:
+    kind = source.kind if source is not None else "model"
+    if kind == "file":
+        return "weights= does not hold them"
+    if kind == "init":
+        return "init= draws parameters, not buffers"
+    return "the model was given with them on the meta device"
+
+
+def _constants(compiled, buffers: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors the traced graph reads that are neither parameters nor the model's `buffers`: constants
+    torch.export lifted out of the forward (a KV cache's empty start, a tensor made from a Python list),
+    with values. One made on the meta device has none unless it is empty: it raises, naming it."""
+    out, unknown = {}, []
+    for node in compiled.graph.nodes:
+        name = node.target
+        if node.op != "get_attr" or name in compiled.traced.params or name in buffers or name in out:
+            continue
+        value = resolve(compiled.traced.gm, name) if has_attr(compiled.traced.gm, name) else None
+        if not torch.is_tensor(value) or isinstance(value, nn.Parameter):
+            continue
+        if value.is_meta and value.numel():
+            unknown.append(name)
+        out[name] = torch.empty(value.shape, dtype=value.dtype) if value.is_meta else value.detach()
+    if unknown:
+        raise ValueError(
+            f"the traced forward reads constants made on the meta device, whose values are unknown: "
+            f"{', '.join(unknown)}. Fix: make them buffers of their module, filled by its init_buffers(), or build "
+            "the model on the CPU"
+        )
     return out
 
 
