@@ -304,6 +304,30 @@ class Plan:
             out.append(Table("pipeline stages", ("stage", "pp rank", "modules", "cost", "sends per microbatch"), rows))
         if self.memory is not None:
             out.append(self.memory_table())
+        out += self.kept_tables()
+        return out
+
+    def kept_tables(self) -> list[Table]:
+        """What each layer keeps for backward per microbatch (runs of equal layers together), and what one
+        layer saves without recompute, by value."""
+        if not self.kept:
+            return []
+        runs: list[list[Kept]] = []
+        for k in self.kept:
+            if runs and runs[-1][-1].bytes == k.bytes:
+                runs[-1].append(k)
+            else:
+                runs.append([k])
+        rows = [(_span(tuple(k.layer for k in run)), human_bytes(run[0].bytes)) for run in runs]
+        mode = "without recompute" if self.recompute == "none" else f"under {self.recompute} recompute"
+        caption = f"{mode}: what a layer's forward adds and holds until its backward"
+        out = [Table("kept for backward per layer, per microbatch", ("layers", "bytes"), rows, caption)]
+        one = self.kept[1] if len(self.kept) > 1 else self.kept[0]  # past the first: the steady state
+        if one.items:
+            rows = [(what, human_bytes(n)) for what, n in one.items]
+            total = human_bytes(sum(n for _, n in one.items))
+            out.append(Table(f"what {one.layer} saves for backward without recompute", ("value (op)", "bytes"),
+                             rows, f"{total} in all, per microbatch"))  # fmt: skip
         return out
 
     def comm_caption(self) -> str:

@@ -33,6 +33,17 @@ except ImportError:  # pragma: no cover - older torch
 # stage holds between its input-gradient (I) and weight-gradient (W) actions by running the same code.
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight  # noqa: F401
 
+
+def pipeline_keeps_grad_buffers() -> bool:
+    """Whether torch's pipeline stages allocate, when the schedule is set up, a buffer per microbatch for
+    each output's gradient they receive, and keep them for the run (torch 2.13 does; later releases
+    allocate each when its receive is posted and free it after, which `_RecvInfo.allocate_buffer` marks).
+    The dry run's peak counts them where they are kept."""
+    from torch.distributed.pipelining import stage
+
+    return not hasattr(stage._RecvInfo, "allocate_buffer")
+
+
 # torch.fx keeps a concrete (fixed) argument as a placeholder guarded by these asserts.
 FX_ASSERTS = {torch._assert, fx._symbolic_trace._assert_is_none}
 
@@ -87,5 +98,5 @@ def make_wrapper_subclass(cls, shape, *, dtype, device):
 __all__ = [
     "AllGather", "FX_ASSERTS", "FakeTensorMode", "HigherOrderOperator", "OpOverload", "ReduceScatter", "StridedShard",
     "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "in_backward", "make_wrapper_subclass",
-    "pytree", "runtime_schedule", "shard_size_and_offsets", "world_timeout",
+    "pipeline_keeps_grad_buffers", "pytree", "runtime_schedule", "shard_size_and_offsets", "world_timeout",
 ]  # fmt: skip

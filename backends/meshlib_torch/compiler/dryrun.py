@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..memtrack import PeakTracker
-from ..torch_private import copy_codegen, stage_backward_input, stage_backward_weight
+from ..torch_private import copy_codegen, pipeline_keeps_grad_buffers, stage_backward_input, stage_backward_weight
 from .modules import set_attr
 from .placements import natural_grad
 from .program import Compiled, zero1_pieces
@@ -337,12 +337,15 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
 
 
 def _receive_buffers(stages, core) -> list[int]:
-    """Per pp rank, the bytes torch's pipeline stages receive their inputs into through a step: one
-    buffer per microbatch for each stage but the first. The buffers for the output's gradients are
-    not counted: torch 2.13 allocates them for the step, 2.15 not all of them; the estimate is 0.96
-    to 1.02 of the measured peak on both (`tests/test_plan_per_rank.py`)."""
+    """Per pp rank, the bytes torch's pipeline stages receive into through a step: one buffer per
+    microbatch for each stage's input but the first's; and, where the installed torch keeps them for
+    the run (`pipeline_keeps_grad_buffers`: 2.13 does), one per microbatch for the gradient of each
+    stage's output but the last's."""
     out = [0] * len(core.actions)
+    grads = pipeline_keeps_grad_buffers()
     for s, rank in enumerate(core.placement):
         if s > 0:
             out[rank] += core.m * sum(b.bytes for b in stages.sends[s - 1])
+        if grads and s < len(core.placement) - 1:
+            out[rank] += core.m * sum(b.bytes for b in stages.sends[s] if b.grad)
     return out

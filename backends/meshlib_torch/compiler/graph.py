@@ -29,7 +29,7 @@ from .propagate import Axes, propagate
 from .records import plan_of, with_data_parallel
 from .redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
 from .remat import Remat, gathers
-from .saved import Census, census, kept_layers, remat_of
+from .saved import Census, census, kept_layers, remat_notes, remat_of
 from .shapes import ragged_dims
 from .split import layer_paths, partition
 from .trace import trace
@@ -71,7 +71,8 @@ def compile_graph(
         dry = dry_peak(compiled, model, batch=list(call.tensors.values()))
         memory = dataclasses.replace(memory, activations=dry["step"], peak=dry["peak"])
     kept = kept_layers(compiled, _local_inputs(compiled, call), found) if estimate_kept else ()
-    compiled.plan = compiled.plan.replace(memory=memory, kept=kept)
+    notes = dict(compiled.plan.notes) | remat_notes(compiled)
+    compiled.plan = compiled.plan.replace(memory=memory, kept=kept, notes=tuple(notes.items()))
     return compiled
 
 

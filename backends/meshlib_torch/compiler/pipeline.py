@@ -48,6 +48,7 @@ def compile_pipeline(
     name, v = resolve_schedule(schedule, chunks)
     p = mesh.axis_size(pp_axis)
     core = core_schedule(name, p, microbatches, v)  # checks p, m and v before any communication
+    _check_recompute(core, options.recompute)
     micro = call.micro(microbatches)
     layers = layer_paths(model)
     try:
@@ -79,6 +80,19 @@ def compile_pipeline(
     if options.zero == 3:
         compiled.plan = compiled.plan.replace(notes=compiled.plan.notes + (("ZeRO-3 in stages", GATHERED),))
     return compiled
+
+
+def _check_recompute(core, recompute: str) -> None:
+    """A zero-bubble schedule splits each backward into an input-gradient and a weight-gradient pass,
+    and torch's weight pass is one autograd call per group of weights: each call recomputes every
+    checkpointed layer again (checkpoint recomputes once per backward call), so recompute would run
+    a layer's forward, collectives included, an unknowable number of times."""
+    if recompute != "none" and any(a.kind in ("I", "W") for row in core.actions for a in row):
+        raise ValueError(
+            f"recompute={recompute!r} with the {core.name} schedule: its split backward recomputes every "
+            "checkpointed layer once per group of weights, not once. Fix: use recompute='none' with a "
+            "zero-bubble schedule, or recompute with gpipe, 1f1b or interleaved-1f1b"
+        )
 
 
 def _plan_with_stages(compiled, stages, core, layers: list[str], m: int, pp_axis: str, split: str, estimate: bool):

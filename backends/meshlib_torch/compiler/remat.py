@@ -163,18 +163,16 @@ class _Gathered:
 
     def __init__(self, full: torch.Tensor, shard: torch.Tensor, again):
         self.ref, self.shard, self.again = weakref.ref(_root(full)), shard, again
-        self.packs, self.full = 0, None
+        self.full = None
 
     def take(self) -> torch.Tensor:
-        """The whole buffer, gathered again once for every consumer that kept it."""
+        """The whole buffer, gathered again on first use and kept while any consumer's saved copy lives:
+        backward releases those as it goes, and a split backward (zero-bubble: input gradients, then
+        weight gradients) keeps them from the first pass to the second, as it keeps the rest of its graph."""
         if self.full is None:
             with torch.no_grad():
                 self.full = _root(self.again(self.shard))
-        out = self.full
-        self.packs -= 1
-        if self.packs <= 0:
-            self.full = None
-        return out
+        return self.full
 
 
 class _Kept:
@@ -210,7 +208,6 @@ def _pack(t: torch.Tensor):
     found = _GATHERED.values.get(id(base))
     if found is None or found.ref() is not base:
         return t
-    found.packs += 1
     return _Kept(found, t, t is base)
 
 

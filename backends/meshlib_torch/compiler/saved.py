@@ -197,4 +197,25 @@ def remat_of(compiled, found: Census) -> Remat:
     return Remat(frozenset(rerun), frozenset(regather))
 
 
-__all__ = ["Census", "census", "kept_layers", "remat_of"]
+KEEPS = {
+    "block": "each layer keeps its input; backward runs its forward again up to its last saved value, "
+    "collectives included (phase recompute)",
+    "selective": "each layer keeps what its collectives (but all-gathers), projections (mm) and attention "
+    "kernels return; backward recomputes the rest, all-gathers included (phase recompute)",
+}
+
+
+def remat_notes(compiled) -> dict[str, str]:
+    """The plan's words on what recompute keeps and what backward gathers again."""
+    notes = {}
+    if compiled.options.recompute in KEEPS:
+        notes["recompute keeps"] = KEEPS[compiled.options.recompute]
+    if compiled.remat.regather:
+        notes["all-gathered values"] = (
+            "an all-gathered value backward needs is kept as its shard and gathered again there, as Megatron's "
+            f"sequence parallelism does ({len(compiled.remat.regather)} per microbatch)"
+        )
+    return notes
+
+
+__all__ = ["Census", "census", "kept_layers", "remat_notes", "remat_of"]
