@@ -44,6 +44,8 @@ class PeakTracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._bytes: dict[int, int] = {}  # id(storage) -> bytes counted for it now
+        self.label = None  # what storages made from now on are made by (`live_by_label`)
+        self._labels: dict[int, object] = {}
         self._ignored: list = []
         self._resize = None
 
@@ -54,6 +56,8 @@ class PeakTracker(TorchDispatchMode):
         if self.device is not None and storage.device.type != self.device:
             return
         self._bytes[key] = storage.nbytes()
+        if self.label is not None:
+            self._labels[key] = self.label
         self._grow(storage.nbytes())
         weakref.finalize(storage, self._free, key)
 
@@ -63,6 +67,15 @@ class PeakTracker(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.live -= self._bytes.pop(key, 0)
+        self._labels.pop(key, None)
+
+    def live_by_label(self) -> dict:
+        """Bytes alive now, by the `label` that was set when they were made (storages made with none set,
+        and those alive before tracking, are left out): for instance what each layer's forward keeps."""
+        out: dict = {}
+        for key, label in self._labels.items():
+            out[label] = out.get(label, 0) + self._bytes.get(key, 0)
+        return out
 
     def _resized(self, storage, new: int) -> None:
         key = id(storage)

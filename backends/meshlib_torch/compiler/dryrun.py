@@ -24,12 +24,13 @@ from ..memtrack import PeakTracker
 from ..torch_private import copy_codegen, pipeline_keeps_grad_buffers, stage_backward_input, stage_backward_weight
 from .modules import set_attr
 from .placements import natural_grad
-from .program import Compiled, zero1_pieces
+from .program import Compiled, model_state, zero1_pieces
 from .remat import Recompute, comm_forward, gathers, keeping_shards, kept, note_gathered
 from .shapes import local_shape
 from .special import special_module
 from .split import layer_paths, split_graph
 from .stages import boundary_values, rank_params
+from .stepmem import step_extra
 
 
 class _DryCollective(torch.autograd.Function):
@@ -150,7 +151,9 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
         loss.backward()
     for h in hooks:
         h.remove()
-    return {"peak": tracker.peak, "model_state": base, "step": tracker.peak - base, "after_forward": forward}
+    update = base + model_state(compiled).grads + step_extra(compiled)  # the optimizer's step
+    peak = max(tracker.peak, update)
+    return {"peak": peak, "model_state": base, "step": peak - base, "after_forward": forward}
 
 
 def local_input(compiled: Compiled, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -298,7 +301,8 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
     """Each pp rank's peak bytes in a step: what it holds throughout (`state`: parameters and
     optimizer state), its stages' parameters in the compute dtype where ZeRO-2/3 keeps them gathered
     through the step, the activations its schedule keeps in flight, and the weight gradients from a
-    stage's first backward on (`grads`, per stage: the optimizer step frees them). Walking the
+    stage's first backward on (`grads`, per stage: the optimizer step frees them), or at the optimizer
+    step the gradients and what the update makes (`stepmem.step_extra`). Walking the
     rank's actions, a forward adds its stage's kept bytes and a backward frees them (a stage's first
     backward turns them into its weight gradients as it goes); a zero-bubble schedule's input-gradient
     action keeps them, with the gradients saved for the weight action, which frees them. The peak is
@@ -310,10 +314,10 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
     opts = compiled.options
     compute = getattr(torch, opts.precision.param).itemsize
     out = []
-    for r, (actions, held) in enumerate(zip(core.actions, rank_params(compiled.stages, core.placement))):
+    for r, (actions, names) in enumerate(zip(core.actions, rank_params(compiled.stages, core.placement))):
         gathered = 0
         if opts.zero >= 2:
-            gathered = sum(math.prod(compiled.local_param_shape(n)) for n in held) * compute
+            gathered = sum(math.prod(compiled.local_param_shape(n)) for n in names) * compute
         live = top = 0
         started: set[int] = set()
         for a in actions:
@@ -332,7 +336,8 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
                 held, peak = (run.kept, run.step) if a.kind == "B" else (run.after_input, run.weight_peak)
                 top = max(top, live - held + max(peak, new + peak - held))
                 live += new - held
-        out.append(state[r] + gathered + recv[r] + top)
+        update = sum(grads[s] for s, rank in enumerate(core.placement) if rank == r) + step_extra(compiled, names)
+        out.append(state[r] + recv[r] + max(gathered + top, update))
     return out
 
 
