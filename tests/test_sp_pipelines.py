@@ -1,0 +1,81 @@
+"""The configuration large runs use: pipeline stages with tensor and sequence parallelism, in bf16.
+
+Method: every rank of a `RankPool` trains with `parallelize`; the parent runs the single process in
+bf16. The bundled Llama trains 3 AdamW steps against the bf16 single-process run with fp32 masters
+(`testing.parity`: bf16 tolerance, 2e-2). transformers' Llama (grouped-query attention, 4 layers)
+takes one step, whose loss and gradients are compared with the unmodified model cast to bf16 and
+run as it is (bf16 keeps 8 bits: the loss to 1e-2, each gradient to a tenth of its largest entry,
+sums taken in other orders). Every pipeline schedule, on pp=2 x tp=2 with sequence parallelism;
+and dp=2 x pp=2 x tp=2 with ZeRO-1 and block recompute.
+"""
+
+import pytest
+import real_models as rm
+import torch
+
+from meshlib import Mesh
+from meshlib_torch.compiler.call import batch_call, pick_loss
+from meshlib_torch.testing.parity import RunConfig, compare, train_parallel, train_reference
+from meshlib_torch.testing.pool import get_pool
+from meshlib_torch.testing.reference import Trial, run_parallel
+
+pytestmark = pytest.mark.ranks
+
+SCHEDULES = {  # schedule: (layers, stages per rank)
+    "gpipe": (2, None), "1f1b": (2, None), "interleaved-1f1b": (4, 2), "zb-h1": (2, None), "zbv": (4, None),
+}  # fmt: skip
+BF16 = dict(sequence_parallel=True, precision="bf16", dtype="float32", microbatches=4, batch_size=8, lr=1e-3)
+_REFERENCES: dict = {}
+
+
+def _bundled(mesh: str, **options) -> None:
+    run = RunConfig(model="llama-tiny", mesh=mesh, **BF16, **options)
+    key = run.overrides.get("n_layers", 2)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_reference(run)
+    results = get_pool(Mesh.parse(mesh).size).run(train_parallel, run)
+    assert all(r.losses == results[0].losses for r in results)
+    compare(_REFERENCES[key], results[0], run.tolerance)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_bundled_llama_on_every_schedule(schedule):
+    layers, chunks = SCHEDULES[schedule]
+    _bundled("pp=2,tp=2", schedule=schedule, chunks=chunks, overrides={"n_layers": layers})
+
+
+def test_bundled_llama_with_dp_zero1_and_block_recompute():
+    _bundled("dp=2,pp=2,tp=2", zero=1, recompute="block", schedule="1f1b")
+
+
+def build_llama4(dtype=torch.float32):
+    tf = rm._quiet_transformers()
+    cfg = tf.LlamaConfig(
+        vocab_size=rm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(cfg).to(dtype).train()
+
+
+def _hf(mesh: str, **options) -> None:
+    trial = Trial(build_llama4, rm.hf_batch, mesh=mesh, rules=rm.rules_llama, steps=1,
+                  options=dict(sequence_parallel=True, precision="bf16", microbatches=4, **options))  # fmt: skip
+    got = get_pool(Mesh.parse(mesh).size).run(run_parallel, trial)[0]
+    model = build_llama4().to(torch.bfloat16)
+    args, kwargs = batch_call(rm.hf_batch(0))
+    want = pick_loss(model(*args, **kwargs), None)
+    want.backward()
+    assert got.losses[0] == pytest.approx(want.item(), rel=1e-2)
+    for n, p in model.named_parameters():
+        scale = float(p.grad.float().abs().max())
+        assert float((got.grads[n].float() - p.grad.float()).abs().max()) <= 0.1 * scale, n
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_transformers_llama_on_every_schedule(schedule):
+    _hf("pp=2,tp=2", schedule=schedule, chunks=SCHEDULES[schedule][1])
+
+
+def test_transformers_llama_with_dp_zero1_and_block_recompute():
+    _hf("dp=2,pp=2,tp=2", zero=1, recompute="block", schedule="1f1b")
