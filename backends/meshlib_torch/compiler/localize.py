@@ -147,7 +147,17 @@ def _rescale_mean(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes)
 def _vocab_args(plan: NodePlan, axes: Axes) -> dict:
     axis = next(a for a, i, w in zip(axes.names, *plan.need) if w == Shard(0) and not isinstance(i, Shard))
     vocab = plan.view.shape(plan.view.tensors[1])[0]
-    return {"axis": axis, "vocab": vocab, "ways": _sizes(axes)[axis]}
+    return {"axis": axis, "vocab": vocab, "ways": _sizes(axes)[axis], "padding_idx": padding_row(plan.view, vocab)}
+
+
+def padding_row(view, vocab: int) -> int | None:
+    """The row an embedding's `padding_idx` names (its gradient stays zero), or None. `F.embedding` counts
+    a negative one from the end, as `nn.Embedding` does; ATen's `embedding` takes -1 for none (F.embedding
+    normalises before calling it) and never matches another negative one."""
+    pad = view.p.get("padding_idx")
+    if pad is None or pad < 0 and view.p.get("_target") is aten.embedding.default:
+        return None
+    return pad + vocab if pad < 0 else pad
 
 
 def _ce_args(plan: NodePlan, axes: Axes) -> dict:

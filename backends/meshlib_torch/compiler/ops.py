@@ -208,7 +208,7 @@ def sdpa(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
 def embedding(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     out = [Strategy((s, R), s) for s in _shards(cur[:1])]
     w = cur[1]
-    if w == Shard(0) and v.p.get("padding_idx") in (None, -1):
+    if w == Shard(0):  # vocab-parallel; a padding row is zeroed in backward by the rank that holds it
         out.append(Strategy((R, w), PARTIAL))
     if w == Shard(1):
         out.append(Strategy((R, w), Shard(len(v.out_shape) - 1)))
