@@ -1,0 +1,183 @@
+"""Released configurations of families the other tests do not use: Megatron's pattern, and the numbers.
+
+Gemma (padding row 0), Phi-3 (a padding row inside the vocabulary) and OPT (padding row 1, learned
+positions offset by 2) set `padding_idx` on their token embedding; Phi-3 fuses q, k and v of unequal
+sizes (grouped-query attention) into one `qkv_proj` cut by slicing, and gate and up into one
+`gate_up_proj` cut by `chunk`. Each is built by `real_models` from a small config with random weights.
+
+Method (plans, no processes): Megatron's split written against each model's own parameter names
+must cost, on the tp axis, exactly the closed form: per layer 2 all-reduces of b*s*h forward and 2
+backward, plus the vocab-parallel embedding's forward sum and the head input's backward sum (b*s*h
+each), plus the vocab-parallel loss's two reductions (b*s and 2*b*s fp32 values), and nothing else:
+no parameter gathered, no activation gathered.
+
+Method (unit): the vocab-parallel embedding on simulated ranks (each rank its torch.chunk piece of
+the rows) against `F.embedding` with the same `padding_idx`, gradients included.
+
+Method (parity): as `test_real_models`, every rank of a gloo pool trains the model (3 AdamW steps) on
+dp=2 x tp=2 and the parent the unmodified model with the same weights and right-padded batches;
+losses, every gradient after the first backward and every parameter after the last step agree to
+1e-5 (fp32), and the padding row's gradient is exactly zero on both.
+"""
+
+import pytest
+import real_models as rm
+import torch
+import torch.nn.functional as F
+
+import meshlib as ml
+from meshlib_torch import compile_model
+from meshlib_torch.compiler.localize import padding_row
+from meshlib_torch.compiler.placements import chunk_rows
+from meshlib_torch.compiler.special import VocabEmbedding
+from meshlib_torch.testing.pool import get_pool
+from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
+
+pytest.importorskip("transformers")
+
+LAYERS, HIDDEN, FP32 = 2, 32, 4
+
+
+def _compiled(name: str, mesh: str):
+    build, rules, batch, loss = rm.MODELS[name]
+    m = ml.Mesh.parse(mesh)
+    return compile_model(build(), mesh=m, rules=rules(m), example_inputs=batch(0), loss=loss)
+
+
+def _on_tp(plan) -> list[tuple[str, str, int]]:
+    """Every call on the tp axis: (phase, kind, bytes), one entry per call, sorted."""
+    return sorted((c.phase, c.kind, c.bytes) for c in plan.collectives if "tp" in c.axes for _ in range(c.count))
+
+
+def _megatron(dp: int) -> list[tuple[str, str, int]]:
+    """The closed form: 2 all-reduces of b*s*h per layer each way, the embedding's sum forward and the
+    head input's backward, and the vocab-parallel loss's max (b*s) and sum-exp with target logit (2*b*s)."""
+    b, s = rm.BATCH // dp, rm.SEQ
+    bsh = b * s * HIDDEN * FP32
+    calls = [("forward", "all_reduce", bsh)] * (2 * LAYERS + 1) + [("backward", "all_reduce", bsh)] * (2 * LAYERS + 1)
+    return sorted(calls + [("forward", "all_reduce", b * s * FP32), ("forward", "all_reduce", 2 * b * s * FP32)])
+
+
+# OPT on dp=2 x tp=2 is refused (its positions come from a mask it builds at the whole batch's size,
+# which the compiler does not slice over dp): that is not the embedding's doing
+MESHES = [("gemma", "tp=2"), ("gemma", "dp=2,tp=2"), ("phi3", "tp=2"), ("phi3", "dp=2,tp=2"), ("opt", "tp=2")]
+
+
+@pytest.mark.parametrize("name, mesh", MESHES)
+def test_megatron_pattern_with_padding_rows_and_unequal_fused_parts(name, mesh):
+    plan = _compiled(name, mesh).plan
+    dp = ml.Mesh.parse(mesh).axis_size("dp") if "dp" in mesh else 1
+    assert _on_tp(plan) == _megatron(dp)  # exact counts and bytes: no gather of a weight or an activation
+    total = sum(nbytes for _, _, nbytes in _megatron(dp))  # 2 layers: 161.5 KiB on tp=2, 80.75 KiB on dp=2 x tp=2
+    assert sum(c.total_bytes for c in plan.collectives if c.axes == ("tp",)) == total == 165376 // dp
+    forward_dp = [c for c in plan.collectives if "dp" in c.axes and c.phase == "forward"]
+    assert {c.kind for c in forward_dp} <= {"all_reduce"} and all(c.bytes <= 8 for c in forward_dp)  # loss scalars
+    assert "ops run whole on every rank (no rule)" not in plan.note_map
+
+
+def test_the_padding_row_is_looked_up_by_the_rank_that_holds_it():
+    """The vocab-parallel embedding is chosen with a padding row; the plan's op knows which row it is."""
+    for name, pad in (("gemma", 0), ("phi3", rm.PHI3_PAD), ("opt", 1)):
+        compiled = _compiled(name, "tp=2")
+        embeddings = [s.args for s in compiled.specials if s.kind == "vocab_embedding"]
+        assert embeddings == [{"axis": "tp", "vocab": rm.VOCAB, "ways": 2, "padding_idx": pad}], name
+        assert dict(compiled.plan.placements)[_embedding_name(name)] == ("S(0)",)
+
+
+def _embedding_name(name: str) -> str:
+    return "model.decoder.embed_tokens.weight" if name == "opt" else "model.embed_tokens.weight"
+
+
+def test_phi3_fused_projections_are_split_part_by_part():
+    """qkv_proj (q 32 rows, k and v 16 each) in parts 2:1:1, gate_up_proj in 2 equal halves: each rank
+    holds whole heads of q, k and v and half of gate and of up; o_proj and down_proj row-parallel."""
+    placements = dict(_compiled("phi3", "tp=2").plan.placements)
+    assert placements["model.layers.0.self_attn.qkv_proj.weight"] == ("S(0/2:1:1)",)
+    assert placements["model.layers.0.mlp.gate_up_proj.weight"] == ("S(0/2)",)
+    assert placements["model.layers.0.self_attn.o_proj.weight"] == ("S(1)",)
+    assert placements["model.layers.0.mlp.down_proj.weight"] == ("S(1)",)
+
+
+# -- the vocab-parallel embedding's padding row, on simulated ranks -------------------------------
+@pytest.mark.parametrize("vocab, ways", [(12, 2), (12, 3), (10, 4)])  # 10 over 4: torch.chunk's 3, 3, 3, 1
+@pytest.mark.parametrize("pad", [None, 0, 4, 9, -1, -3])
+def test_vocab_parallel_embedding_zeroes_only_the_padding_rows_gradient(vocab, ways, pad):
+    gen = torch.Generator().manual_seed(vocab * 10 + ways)
+    weight = torch.randn(vocab, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, vocab, (4, 7), generator=gen)
+    ids[:, -1] = vocab - 1 if pad is not None and pad < 0 else 0  # the padding row is looked up
+    grad_out = torch.randn(4, 7, 5, generator=gen, dtype=torch.float64)
+    want = F.embedding(ids, weight, padding_idx=pad)
+    (want * grad_out).sum().backward()
+    row = None if pad is None else pad % vocab
+    total, grads = torch.zeros_like(want), []
+    for rank in range(ways):
+        start, rows = chunk_rows(vocab, ways, rank)
+        piece = weight.detach()[start : start + rows].clone().requires_grad_()
+        out = VocabEmbedding(vocab=vocab, ways=ways, rank=rank, padding_idx=row)(ids, piece)
+        (out * grad_out).sum().backward()
+        total, grads = total + out.detach(), grads + [piece.grad]
+    torch.testing.assert_close(total, want.detach(), rtol=0, atol=0)  # the partial sums add up to the lookup
+    torch.testing.assert_close(torch.cat(grads), weight.grad, rtol=0, atol=0)
+    if row is not None:
+        assert torch.count_nonzero(weight.grad[row]) == 0
+
+
+def test_padding_idx_is_read_as_torch_reads_it():
+    """F.embedding counts a negative padding_idx from the end; ATen's embedding takes -1 for none."""
+    from meshlib_torch.compiler.bind import aten
+
+    class View:
+        def __init__(self, pad, target):
+            self.p = {"padding_idx": pad, "_target": target}
+
+    assert padding_row(View(None, F.embedding), 96) is None
+    assert padding_row(View(-1, F.embedding), 96) == 95
+    assert padding_row(View(-3, F.embedding), 96) == 93
+    assert padding_row(View(5, F.embedding), 96) == 5
+    assert padding_row(View(-1, aten.embedding.default), 96) is None
+    assert padding_row(View(0, aten.embedding.default), 96) == 0
+
+
+# -- parity with the unmodified model -------------------------------------------------------------
+_RESULTS: dict = {}
+
+
+def _trial(name: str, mesh: str = "dp=2,tp=2") -> Trial:
+    build, rules, batch, loss = rm.MODELS[name]
+    return Trial(build, batch, mesh=mesh, rules=rules, loss=loss, lr=1e-3)
+
+
+def _run(name: str):
+    if name not in _RESULTS:
+        trial = _trial(name)
+        _RESULTS[name] = run_single(trial), get_pool(4).run(run_parallel, trial)
+    return _RESULTS[name]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("name", ["gemma", "phi3"])
+def test_parity_with_the_unmodified_model(name):
+    ref, results = _run(name)
+    assert_same(ref, results[0], rtol=1e-5, atol=1e-5)
+    assert all(r.losses == results[0].losses for r in results)
+    planned: dict = {}
+    for c in results[0].plan.collectives:  # what each rank counted at the collective layer is the plan
+        key = (c.phase, c.kind, c.axes[0])
+        planned[key] = planned.get(key, 0) + c.total_bytes
+    assert results[0].comm["by_kind"] == planned
+
+
+@pytest.mark.ranks
+def test_the_padding_rows_gradient_is_zero_on_the_mesh_as_in_the_single_process():
+    """Phi-3's embedding is not tied to its head: its padding row (held by tp rank 1) gets no gradient,
+    while the rows of the other ids looked up do."""
+    ref, results = _run("phi3")
+    ids = rm.phi3_batch(0)["input_ids"]
+    assert (ids == rm.PHI3_PAD).any()
+    for trace in (ref, results[0]):
+        grad = trace.grads["model.embed_tokens.weight"]
+        assert torch.count_nonzero(grad[rm.PHI3_PAD]) == 0
+        others = ids.unique()
+        others = others[others != rm.PHI3_PAD]
+        assert bool((grad[others].abs().sum(-1) > 0).all())
