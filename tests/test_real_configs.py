@@ -181,3 +181,92 @@ def test_the_padding_rows_gradient_is_zero_on_the_mesh_as_in_the_single_process(
         others = ids.unique()
         others = others[others != rm.PHI3_PAD]
         assert bool((grad[others].abs().sum(-1) > 0).all())
+
+
+# -- checkpoints and export of a model held in unequal parts ---------------------------------------
+def _phi3(mesh: str, **options):
+    from meshlib_torch import parallelize
+
+    m = ml.Mesh.parse(mesh)
+    model = rm.build_phi3() if "weights" not in options else _meta_phi3()
+    par = parallelize(model, mesh=m, rules=rm.rules_phi3(m), example_inputs=rm.phi3_batch(0), **options)
+    return par, par.optimizer(lr=1e-3)
+
+
+def _meta_phi3():
+    with torch.device("meta"):
+        return rm.build_phi3()
+
+
+def _state(par, opt) -> dict[str, torch.Tensor]:
+    """Every parameter, full-precision value and AdamW moment, whole in the model's order (`Parallel.whole`)."""
+    out = {}
+    for name, p in par.named_model_parameters().items():
+        target = opt.master.get(name, p)
+        out[f"param {name}"] = par.whole(name, p).detach().clone()
+        out[f"value {name}"] = par.whole(name, target).detach().clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{key} {name}"] = par.whole(name, opt.inner.state[target][key]).detach().clone()
+    return out
+
+
+def _save_phi3(mesh: str, path: str, export_to: str | None, options: dict):
+    """2 steps, a checkpoint (and an export), 2 more steps: the state saved, the evaluated loss, all losses."""
+    from meshlib_torch import checkpoint, export
+
+    par, opt = _phi3(mesh, **options)
+    losses = [par.train_step(rm.phi3_batch(s), opt) for s in range(2)]
+    checkpoint.save(path, par, opt, step=2)
+    if export_to:
+        export(par, export_to, config=rm.build_phi3().config, max_shard_size=40_000)
+    state, held = _state(par, opt), par.evaluate(rm.phi3_batch(7))
+    losses += [par.train_step(rm.phi3_batch(s), opt) for s in range(2, 4)]
+    return state, held, losses
+
+
+def _resume_phi3(mesh: str, path: str, options: dict):
+    from meshlib_torch import checkpoint
+
+    par, opt = _phi3(mesh, **options)
+    assert checkpoint.load(path, par, opt)["step"] == 2
+    state = _state(par, opt)
+    return state, [par.train_step(rm.phi3_batch(s), opt) for s in range(2, 4)]
+
+
+def _weights_phi3(mesh: str, path: str) -> float:
+    par, _ = _phi3(mesh, weights=path)
+    return par.evaluate(rm.phi3_batch(7))
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "saver, saver_options, loader, loader_options",
+    [("dp=2,tp=2", {}, "dp=4", {}), ("dp=4", {}, "dp=2,tp=2", {"zero": 1})],
+    ids=["from-parts", "into-parts-zero1"],
+)
+def test_a_checkpoint_in_unequal_parts_reloads_on_another_mesh(tmp_path, saver, saver_options, loader, loader_options):
+    """Saved with qkv_proj in parts 2:1:1 over tp and loaded with it whole (dp=4), and the other way round
+    (into ZeRO-1's masters): every parameter, value and moment equals the saver's bitwise, and the next
+    two steps' losses are the saver's own (the checkpoint also serves as `weights=` on tp=2)."""
+    path = str(tmp_path / "ckpt")
+    state, held, losses = get_pool(4).run(_save_phi3, saver, path, None, saver_options)[0]
+    resumed = get_pool(4).run(_resume_phi3, loader, path, loader_options)
+    for got, more in resumed:
+        assert sorted(got) == sorted(state)
+        for key, value in state.items():
+            assert torch.equal(got[key], value), key
+        torch.testing.assert_close(torch.tensor(more), torch.tensor(losses[2:]), rtol=1e-5, atol=1e-5)
+    assert get_pool(2).run(_weights_phi3, "tp=2", path)[0] == pytest.approx(held, rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.ranks
+def test_phi3_held_in_parts_exports_what_from_pretrained_reads(tmp_path):
+    """Exported from dp=2 x tp=2 (qkv_proj in parts over tp): transformers reads every tensor as trained,
+    in the model's own row order, and computes meshlib's loss."""
+    out = str(tmp_path / "exported")
+    state, held, _ = get_pool(4).run(_save_phi3, "dp=2,tp=2", str(tmp_path / "ckpt"), out, {})[0]
+    reloaded = rm._quiet_transformers().Phi3ForCausalLM.from_pretrained(out)
+    for name, p in reloaded.named_parameters():
+        assert torch.equal(p.detach(), state[f"param {name}"]), name
+    with torch.no_grad():
+        assert float(reloaded(**rm.phi3_batch(7)).loss) == pytest.approx(held, rel=1e-5, abs=1e-5)
