@@ -75,6 +75,21 @@ def test_megatron_pattern_with_padding_rows_and_unequal_fused_parts(name, mesh):
     assert "ops run whole on every rank (no rule)" not in plan.note_map
 
 
+@pytest.mark.parametrize("name", ["gemma", "phi3"])
+def test_sequence_parallel_pattern(name):
+    """Each all-reduce becomes a reduce-scatter and an all-gather of b*s*h; the norms' weights (whole on
+    every tp rank) sum their gradients over tp (h fp32 values each, 2 per layer and the final norm)."""
+    build, rules, batch, loss = rm.MODELS[name]
+    m = ml.Mesh.parse("tp=2")
+    plan = compile_model(build(), mesh=m, rules=rules(m), example_inputs=batch(0), loss=loss, sequence_parallel=True).plan
+    bsh, bs = rm.BATCH * rm.SEQ * HIDDEN * FP32, rm.BATCH * rm.SEQ * FP32
+    each_way = [("reduce_scatter", bsh)] * (2 * LAYERS + 1) + [("all_gather", bsh)] * (2 * LAYERS + 1)
+    want = [("forward", k, b) for k, b in each_way] + [("backward", k, b) for k, b in each_way]
+    want += [("forward", "all_reduce", bs), ("forward", "all_reduce", 2 * bs)]
+    want += [("backward", "all_reduce", HIDDEN * FP32)] * (2 * LAYERS + 1)
+    assert _on_tp(plan) == sorted(want)
+
+
 def test_the_padding_row_is_looked_up_by_the_rank_that_holds_it():
     """The vocab-parallel embedding is chosen with a padding row; the plan's op knows which row it is."""
     for name, pad in (("gemma", 0), ("phi3", rm.PHI3_PAD), ("opt", 1)):
@@ -166,6 +181,19 @@ def test_parity_with_the_unmodified_model(name):
         key = (c.phase, c.kind, c.axes[0])
         planned[key] = planned.get(key, 0) + c.total_bytes
     assert results[0].comm["by_kind"] == planned
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "mesh, options",
+    [("dp=2,tp=2", {"zero": 3}), ("dp=2,tp=2", {"sequence_parallel": True}), ("pp=2,tp=2", {"microbatches": 2})],
+    ids=["zero3", "sp", "pp2tp2"],
+)
+def test_phi3_in_parts_under_fsdp_sequence_parallelism_and_a_pipeline(mesh, options):
+    """FSDP2 nests its shard in the parts' rank order, sequence parallelism and pipeline stages keep them."""
+    trial = _trial("phi3", mesh)
+    trial = Trial(trial.build, trial.batch, mesh=mesh, rules=trial.rules, loss=trial.loss, options=options, lr=1e-3)
+    assert_same(_run("phi3")[0], get_pool(4).run(run_parallel, trial)[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.ranks
