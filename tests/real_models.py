@@ -361,3 +361,60 @@ class UntraceableNanoGPT(NanoGPT):
 def build_untraceable_nanogpt() -> nn.Module:
     torch.manual_seed(0)
     return UntraceableNanoGPT().double()
+
+
+# -- a nanoGPT-style model with grouped-query attention and one fused qkv of unequal parts ------------
+class _GQAttention(nn.Module):
+    """q (4 heads), k and v (2 heads each) from one Linear with a bias, cut as its author wrote it: by
+    slicing (`qkv[..., :q]`, as Phi-3) or by `split` into the three sizes."""
+
+    def __init__(self, n_embd: int, n_head: int, n_kv: int, cut: str):
+        super().__init__()
+        self.n_head, self.n_kv, self.hd, self.cut = n_head, n_kv, n_embd // n_head, cut
+        self.c_attn = nn.Linear(n_embd, (n_head + 2 * n_kv) * self.hd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        qkv, kv = self.c_attn(x), self.n_kv * self.hd
+        if self.cut == "slice":
+            q, k, v = qkv[..., :C], qkv[..., C : C + kv], qkv[..., C + kv :]
+        else:
+            q, k, v = qkv.split([C, kv, kv], dim=-1)
+        q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)
+        k, v = (t.view(B, T, self.n_kv, self.hd).transpose(1, 2) for t in (k, v))
+        rep = self.n_head // self.n_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class GQANanoGPT(NanoGPT):
+    """Without nanoGPT's assert on the length, so that torch.fx traces it (`qkv[..., :q]` is a getitem
+    there, an `aten.slice` under torch.export)."""
+
+    def __init__(self, cut: str = "slice", n_kv: int = 2):
+        super().__init__()
+        for block in self.h:
+            block.attn = _GQAttention(32, 4, n_kv, cut)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def build_gqa_sliced() -> nn.Module:
+    torch.manual_seed(0)
+    return GQANanoGPT("slice").double()
+
+
+def build_gqa_split() -> nn.Module:
+    torch.manual_seed(0)
+    return GQANanoGPT("split").double()
+
+
+MODELS["gqa-sliced"] = (build_gqa_sliced, rules_nanogpt, nanogpt_batch, 1)
+MODELS["gqa-split"] = (build_gqa_split, rules_nanogpt, nanogpt_batch, 1)

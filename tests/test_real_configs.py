@@ -49,13 +49,14 @@ def _on_tp(plan) -> list[tuple[str, str, int]]:
     return sorted((c.phase, c.kind, c.bytes) for c in plan.collectives if "tp" in c.axes for _ in range(c.count))
 
 
-def _megatron(dp: int) -> list[tuple[str, str, int]]:
+def _megatron(dp: int, itemsize: int = FP32) -> list[tuple[str, str, int]]:
     """The closed form: 2 all-reduces of b*s*h per layer each way, the embedding's sum forward and the
     head input's backward, and the vocab-parallel loss's max (b*s) and sum-exp with target logit (2*b*s)."""
     b, s = rm.BATCH // dp, rm.SEQ
-    bsh = b * s * HIDDEN * FP32
+    bsh = b * s * HIDDEN * itemsize
     calls = [("forward", "all_reduce", bsh)] * (2 * LAYERS + 1) + [("backward", "all_reduce", bsh)] * (2 * LAYERS + 1)
-    return sorted(calls + [("forward", "all_reduce", b * s * FP32), ("forward", "all_reduce", 2 * b * s * FP32)])
+    loss = [("forward", "all_reduce", b * s * itemsize), ("forward", "all_reduce", 2 * b * s * itemsize)]
+    return sorted(calls + loss)
 
 
 # OPT on dp=2 x tp=2 is refused (its positions come from a mask it builds at the whole batch's size,
@@ -73,6 +74,27 @@ def test_megatron_pattern_with_padding_rows_and_unequal_fused_parts(name, mesh):
     forward_dp = [c for c in plan.collectives if "dp" in c.axes and c.phase == "forward"]
     assert {c.kind for c in forward_dp} <= {"all_reduce"} and all(c.bytes <= 8 for c in forward_dp)  # loss scalars
     assert "ops run whole on every rank (no rule)" not in plan.note_map
+
+
+@pytest.mark.parametrize("name", ["gqa-sliced", "gqa-split"])
+def test_a_fused_qkv_of_unequal_parts_cut_in_the_model_written_for_torch_fx(name):
+    """The same cut written by hand and traced by torch.fx (the slices are `getitem`s there) or as a
+    `split` into the three sizes; the fused bias is split in the same parts."""
+    compiled = _compiled(name, "tp=2")
+    assert compiled.plan.note_map["trace"] == "fx"
+    assert _on_tp(compiled.plan) == _megatron(1, itemsize=8)
+    placements = dict(compiled.plan.placements)
+    assert placements["h.0.attn.c_attn.weight"] == placements["h.0.attn.c_attn.bias"] == ("S(0/2:1:1)",)
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("name", ["gqa-sliced", "gqa-split"])
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
+def test_a_fused_qkv_of_unequal_parts_trains_as_the_single_process(name, mesh):
+    """fp64, to 1e-12: the parts' local bounds, the bias's blocks and the weight's rank order are exact."""
+    build, rules, batch, loss = rm.MODELS[name]
+    trial = Trial(build, batch, mesh=mesh, rules=rules, loss=loss, lr=1e-3)
+    assert_same(run_single(trial), get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)[0], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["gemma", "phi3"])
