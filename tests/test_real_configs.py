@@ -128,8 +128,12 @@ def _embedding_name(name: str) -> str:
 def test_phi3_fused_projections_are_split_part_by_part():
     """qkv_proj (q 32 rows, k and v 16 each) in parts 2:1:1, gate_up_proj in 2 equal halves: each rank
     holds whole heads of q, k and v and half of gate and of up; o_proj and down_proj row-parallel."""
-    placements = dict(_compiled("phi3", "tp=2").plan.placements)
+    plan = _compiled("phi3", "tp=2").plan
+    placements = dict(plan.placements)
     assert placements["model.layers.0.self_attn.qkv_proj.weight"] == ("S(0/2:1:1)",)
+    assert plan.note_map["parameters in rank order"].startswith(
+        "model.layers.0.self_attn.qkv_proj.weight, model.layers.1.self_attn.qkv_proj.weight: DTensor has no placement"
+    )
     assert placements["model.layers.0.mlp.gate_up_proj.weight"] == ("S(0/2)",)
     assert placements["model.layers.0.self_attn.o_proj.weight"] == ("S(1)",)
     assert placements["model.layers.0.mlp.down_proj.weight"] == ("S(1)",)
