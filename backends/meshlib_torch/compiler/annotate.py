@@ -168,7 +168,7 @@ def with_groups(layout: Layout, group: tuple[int, int | tuple[int, ...]], mesh: 
             return layout
         fused = Shard(dim, k)
     else:
-        if len(on_dim) != 1 or sum(k) != shape[dim] or any(size % ways for size in k):
+        if len(on_dim) != 1 or ways < 2 or sum(k) != shape[dim] or any(size % ways for size in k):
             return layout
         unit = math.gcd(*k)
         fused = Shard(dim, parts=tuple(size // unit for size in k))
