@@ -19,10 +19,10 @@ import torch
 import torch.fx as fx
 
 from .bind import aten, bind, dims_arg
-from .parts import index_slice, local_bounds, part_taken, slice_bounds
+from .parts import local_part_bounds, part_cut
 from .placements import Partial, Pending, Shard
 from .propagate import Axes, NodePlan
-from .shapes import expand_index, local_shape, ragged_dims
+from .shapes import local_shape, ragged_dims
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,8 @@ def localize(gm: fx.GraphModule, plans: dict[fx.Node, NodePlan], axes: Axes, par
             _split(gm, node, plan, axes)
         elif kind == "mean":
             _rescale_mean(gm, node, plan, axes)
-        elif kind in ("slice", "index") and _parts_cut(plan) is not None:
-            _slice_part(gm, node, plan, axes)
+        elif kind in ("slice", "index") and part_cut(plan.view, plan.need[0]) is not None:
+            local_part_bounds(node, plan.view, plan.need[0], axes.sizes)
         elif kind == "embedding" and any(w == Shard(0) and not isinstance(i, Shard) for i, w in zip(*plan.need)):
             _special(gm, node, specials, "vocab_embedding", _vocab_args(plan, axes), plan.view.tensors)
         elif kind == "cross_entropy" and any(isinstance(p, Shard) for p in plan.need[0]):
@@ -126,42 +126,6 @@ def _split(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes) -> Non
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
-
-
-def _parts_cut(plan: NodePlan) -> tuple[int, Shard] | None:
-    """`(dim, placement)` where this slice takes one part of a dim its input holds in parts."""
-    view, need = plan.view, plan.need[0]
-    if view.kind == "slice":
-        dim = slice_bounds(view)[0]
-    else:
-        cut = index_slice(view.shape(view.tensors[0]), view.p["index"])
-        if cut is None:
-            return None
-        dim = cut[0]
-    split = [p for p in need if isinstance(p, Shard) and p.dim == dim and not p.plain]
-    return (dim, split[0]) if split else None
-
-
-def _slice_part(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes) -> None:
-    """A slice of one part of a dim held in parts: the bounds of that part's block on a rank."""
-    view = plan.view
-    dim, p = _parts_cut(plan)
-    shape = view.shape(view.tensors[0])
-    if view.kind == "slice":
-        _, start, end, step = slice_bounds(view)
-    else:
-        start, end, step = index_slice(shape, view.p["index"])[1].indices(shape[dim])
-    local = local_shape(shape, plan.need[0], axes.sizes)[dim]
-    lo, hi = local_bounds(p, local, part_taken(p, shape[dim], start, end, step))
-    x = node.args[0]
-    if view.kind == "index":
-        items = expand_index(shape, view.p["index"])
-        at = [i for i, it in enumerate(items) if it is not None][dim]
-        node.args = (x, tuple(items[:at] + [slice(lo, hi)] + items[at + 1 :]))
-    elif "length" in view.p:
-        node.args, node.kwargs = (x, dim, lo, hi - lo), {}
-    else:
-        node.args, node.kwargs = (x, dim, lo, hi), {}
 
 
 def _rescale_mean(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes) -> None:

@@ -4,10 +4,10 @@ A shard in parts (`Shard(dim, groups=k)` for k equal parts, `Shard(dim, parts=w)
 for unequal ones, as grouped-query attention's q, k and v) holds on each rank a
 block of every part. So a slice that takes exactly one part of that dim needs no
 communication: its result is a plain shard of the part, and on each rank it
-takes the part's local block (`local_bounds`). Here: how a traced graph cuts a
-projection's output (`cut_sizes`: one `split` into sizes, or slices that tile
-the dim), which part a slice takes (`part_taken`), and where a view carries a
-shard in unequal parts (`view_dims`).
+takes the part's local block (`local_part_bounds`). Here: how a traced graph
+cuts a projection's output (`cut_sizes`: one `split` into sizes, or slices that
+tile the dim), which part a slice takes (`part_taken`), its bounds on a rank,
+and where a view carries a shard in unequal parts (`view_dims`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .bind import OpView, bind
 from .placements import Shard, part_sizes
-from .shapes import index_items, view_groups
+from .shapes import expand_index, index_items, local_shape, view_groups
 
 
 def slice_bounds(v: OpView) -> tuple[int, int, int, int]:
@@ -65,6 +65,41 @@ def local_bounds(p: Shard, local_size: int, i: int) -> tuple[int, int]:
     sizes = part_sizes(p, local_size)
     start = sum(sizes[:i])
     return start, start + sizes[i]
+
+
+def part_cut(view: OpView, need) -> tuple[int, Shard] | None:
+    """`(dim, placement)` where a slice or basic index `view`, its input in layout `need`, cuts a dim
+    held in parts (propagation chose it, so the cut takes exactly one part); else None."""
+    if view.kind == "slice":
+        dim = slice_bounds(view)[0]
+    else:
+        cut = index_slice(view.shape(view.tensors[0]), view.p["index"])
+        if cut is None:
+            return None
+        dim = cut[0]
+    held = [p for p in need if isinstance(p, Shard) and p.dim == dim and not p.plain]
+    return (dim, held[0]) if held else None
+
+
+def local_part_bounds(node: fx.Node, view: OpView, need, sizes: Sequence[int]) -> None:
+    """Rewrite `node`, a slice (or index, or narrow) of one part of a dim held in parts, to take that
+    part's block on a rank: its local bounds in the rank's block of the dim (`local_bounds`)."""
+    dim, p = part_cut(view, need)
+    shape = view.shape(view.tensors[0])
+    if view.kind == "slice":
+        _, start, end, step = slice_bounds(view)
+    else:
+        start, end, step = index_slice(shape, view.p["index"])[1].indices(shape[dim])
+    lo, hi = local_bounds(p, local_shape(shape, need, sizes)[dim], part_taken(p, shape[dim], start, end, step))
+    x = node.args[0]
+    if view.kind == "index":
+        items = expand_index(shape, view.p["index"])
+        at = [i for i, it in enumerate(items) if it is not None][dim]
+        node.args = (x, tuple(items[:at] + [slice(lo, hi)] + items[at + 1 :]))
+    elif "length" in view.p:  # narrow
+        node.args, node.kwargs = (x, dim, lo, hi - lo), {}
+    else:
+        node.args, node.kwargs = (x, dim, lo, hi), {}
 
 
 def view_dims(src: Sequence[int], dst: Sequence[int], dim: int, parts: tuple[int, ...]) -> list[int]:
@@ -125,4 +160,7 @@ def _span(v: OpView, shape: tuple[int, ...]) -> tuple[int, int] | None:
     return None
 
 
-__all__ = ["cut_sizes", "index_slice", "local_bounds", "part_taken", "slice_bounds", "view_dims"]
+__all__ = [
+    "cut_sizes", "index_slice", "local_bounds", "local_part_bounds", "part_cut", "part_taken", "slice_bounds",
+    "view_dims",
+]  # fmt: skip
