@@ -324,3 +324,19 @@ def test_phi3_held_in_parts_exports_what_from_pretrained_reads(tmp_path):
         assert torch.equal(p.detach(), state[f"param {name}"]), name
     with torch.no_grad():
         assert float(reloaded(**rm.phi3_batch(7)).loss) == pytest.approx(held, rel=1e-5, abs=1e-5)
+
+
+def _phi3_from(path: str) -> float:
+    par, _ = _phi3("dp=2,tp=2", weights=path)
+    return par.evaluate(rm.phi3_batch(7))
+
+
+@pytest.mark.ranks
+def test_phi3_reads_a_hugging_face_checkpoint_into_its_parts(tmp_path):
+    """save_pretrained's safetensors read into qkv_proj's parts (each rank its rows of q, of k and of v,
+    one read per run of rows): the loss is the unmodified model's."""
+    model = rm.build_phi3()
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    with torch.no_grad():
+        want = float(model(**rm.phi3_batch(7)).loss)
+    assert get_pool(4).run(_phi3_from, str(tmp_path))[0] == pytest.approx(want, rel=1e-6, abs=1e-6)
