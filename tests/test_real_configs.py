@@ -17,7 +17,14 @@ the rows) against `F.embedding` with the same `padding_idx`, gradients included.
 Method (parity): as `test_real_models`, every rank of a gloo pool trains the model (3 AdamW steps) on
 dp=2 x tp=2 and the parent the unmodified model with the same weights and right-padded batches;
 losses, every gradient after the first backward and every parameter after the last step agree to
-1e-5 (fp32), and the padding row's gradient is exactly zero on both.
+1e-5 (fp32), and the padding row's gradient is exactly zero on both. Phi-3 also under ZeRO-3,
+sequence parallelism and pp=2 x tp=2; a nanoGPT-style model with the same unequal fused qkv (and its
+bias), traced by torch.fx, in fp64 to 1e-12.
+
+Method (state): Phi-3's qkv_proj lives as a DTensor of its rows in rank order; a checkpoint saved
+with it reloads bitwise on a mesh without tp and the other way round (into ZeRO-1's masters), the
+next losses are the saver's own, and it serves as `weights=`; an export is read by transformers'
+`from_pretrained` with every tensor as trained; save_pretrained's safetensors load into the parts.
 """
 
 import pytest

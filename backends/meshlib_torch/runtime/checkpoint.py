@@ -77,7 +77,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..torch_private import StridedShard, make_wrapper_subclass, shard_size_and_offsets
 
-__all__ = ["load", "rank_orders", "save"]
+__all__ = ["checkpointable", "load", "rank_orders", "save"]
 
 _LIST = 10  # names shown in an error before "... and N more"
 
@@ -97,7 +97,7 @@ def save(path: str | os.PathLike, par, opt, *, step: int, extra: dict | None = N
     staging = final + ".saving"
     state: dict = _agreed(_live, par, opt)
     orders = rank_orders(par)
-    state = {key: _checkpointable(t, orders.get(_param_of(key))) for key, t in state.items()}
+    state = {key: checkpointable(t, orders.get(_param_of(key))) for key, t in state.items()}
     _agreed(_on_rank0, _clear_staging, final, staging)
     state["rng.cpu"] = _gather_rng()
     state["step"], state["extra"] = step, dict(extra or {})
@@ -278,7 +278,7 @@ def _read(path: str, slots: list[_Slot], buffers: dict, orders: dict) -> dict:
         seen[s.key] += 1
         if i == len(rounds):
             rounds.append({})
-        rounds[i][s.key] = _checkpointable(buffers[id(s)], orders.get(s.name))
+        rounds[i][s.key] = checkpointable(buffers[id(s)], orders.get(s.name))
         out.setdefault(s.key, buffers[id(s)])
     planner = lambda: dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)  # noqa: E731
     for state in rounds:
@@ -407,7 +407,7 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t)
 
 
-def _checkpointable(t: torch.Tensor, order: dict | None = None) -> torch.Tensor:
+def checkpointable(t: torch.Tensor, order: dict | None = None) -> torch.Tensor:
     """What DCP saves from or loads into: a plain tensor as it is; a DTensor as the boxes this rank holds,
     in the model's indices (`order`: for a parameter held in unequal parts, the model's row of each of
     the DTensor's rows, which are in rank order)."""

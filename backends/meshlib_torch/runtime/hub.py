@@ -90,10 +90,10 @@ class DCPWeights:
         rank order of one held in unequal parts); DCP's own reading of a strided shard takes wrong rows."""
         import torch.distributed.checkpoint as dcp
 
-        from .checkpoint import _checkpointable
+        from .checkpoint import checkpointable
 
         orders = orders or {}
-        views = {key: _checkpointable(t, orders.get(key)) for key, t in tensors.items()}
+        views = {key: checkpointable(t, orders.get(key)) for key, t in tensors.items()}
         planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         dcp.load(views, storage_reader=dcp.FileSystemReader(self.path), planner=planner)
 
