@@ -185,7 +185,8 @@ class Plan:
     notes: tuple[tuple[str, str], ...] = ()  # e.g. ("trace", "fx"), ("model", "llama-7b")
     # per tensor, its placement on each mesh axis as the backend lays it out, e.g.
     # ("h.0.attn.c_attn.weight", ("R", "S(0/3)")): "S(d/g)" splits dim d in g groups
-    # first (a fused projection), which a P cannot say
+    # first (a fused projection), and "S(d/2:1:1)" in unequal parts of those proportions
+    # (grouped-query attention's q, k and v), which a P cannot say
     placements: tuple[tuple[str, tuple[str, ...]], ...] = ()
     pp_axis: str = ""  # the pipeline's mesh axis ("" without a pipeline)
     # with a pipeline, the memory of the ranks at each pp coordinate (`memory` is the most loaded's)

@@ -5,7 +5,11 @@
 - transformers' `LlamaForCausalLM` with grouped-query attention (fewer kv heads
   than heads, expanded before attention) and a rotary embedding under no_grad;
 - a plain nanoGPT-style model written as such models usually are: it unpacks
-  `B, T, C = x.size()`, asserts on the sequence length and returns `(logits, loss)`.
+  `B, T, C = x.size()`, asserts on the sequence length and returns `(logits, loss)`;
+- transformers' Gemma, Phi-3 and OPT as their released configs set them up: a
+  padding row in the embedding (Gemma's 0, Phi-3's inside the vocabulary, OPT's 1
+  beside learned positions offset by 2), and Phi-3's fused `qkv_proj` of unequal
+  parts under grouped-query attention, cut by slicing, and its `gate_up_proj`.
 
 Each `build_*` makes the same model with the same (random) weights on every
 call, from a small config with no download; `rules_*` are Megatron's column /
@@ -88,11 +92,108 @@ def rules_llama(mesh: ml.Mesh):
     )
 
 
+
+# -- families whose released configs set a padding row and fuse projections of unequal parts ----
+def build_gemma(dtype=torch.float32) -> nn.Module:
+    """Gemma: an embedding with `padding_idx` 0 (as its released config), scaled, tied to the head."""
+    tf = _quiet_transformers()
+    cfg = tf.GemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=2,
+        eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.GemmaForCausalLM(cfg).to(dtype).train()
+
+
+PHI3_PAD = 88  # inside the vocabulary, as Phi-3's own 32000 of 32064: the last tp rank's row
+
+
+def build_phi3(dtype=torch.float32) -> nn.Module:
+    """Phi-3: a fused `qkv_proj` of unequal parts under grouped-query attention (q 32 rows, k and v 16
+    each), cut by slicing; a fused `gate_up_proj` cut by `chunk`; a padding row inside the vocab."""
+    tf = _quiet_transformers()
+    cfg = tf.Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PHI3_PAD, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.Phi3ForCausalLM(cfg).to(dtype).train()
+
+
+def build_opt(dtype=torch.float32) -> nn.Module:
+    """OPT: learned positions with an offset of 2, the token embedding's `padding_idx` 1, tied head."""
+    tf = _quiet_transformers()
+    cfg = tf.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, word_embed_proj_dim=32, ffn_dim=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=32, pad_token_id=1, bos_token_id=2, eos_token_id=2,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.OPTForCausalLM(cfg).to(dtype).train()
+
+
+def rules_gemma(mesh: ml.Mesh):
+    return rules_llama(mesh)  # the same names: q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head
+
+
+def rules_phi3(mesh: ml.Mesh):
+    tp = "tp" if "tp" in mesh else None
+    return ml.pattern_rules(
+        {
+            "model.embed_tokens.weight": ml.P(tp, None),
+            "**.self_attn.qkv_proj.weight": ml.P(tp, None),
+            "**.self_attn.o_proj.weight": ml.P(None, tp),
+            "**.mlp.gate_up_proj.weight": ml.P(tp, None),
+            "**.mlp.down_proj.weight": ml.P(None, tp),
+            "lm_head.weight": ml.P(tp, None),
+        },
+        default=ml.P(),
+    )
+
+
+def rules_opt(mesh: ml.Mesh):
+    tp = "tp" if "tp" in mesh else None
+    return ml.pattern_rules(
+        {
+            "model.decoder.embed_tokens.weight": ml.P(tp, None),  # tied to lm_head
+            "**.self_attn.[qkv]_proj.weight": ml.P(tp, None),
+            "**.self_attn.[qkv]_proj.bias": ml.P(tp),
+            "**.self_attn.out_proj.weight": ml.P(None, tp),
+            "**.fc1.weight": ml.P(tp, None),
+            "**.fc1.bias": ml.P(tp),
+            "**.fc2.weight": ml.P(None, tp),
+        },
+        default=ml.P(),
+    )
+
 def hf_batch(step: int, vocab: int = VOCAB) -> dict:
     """Keyword inputs, as a Hugging Face training loop passes them."""
     gen = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _right_padded(step: int, pad: int) -> dict:
+    """A right-padded batch: every row ends in 3 padding ids (in the labels too, as a loop that does not
+    mask them passes them), so the padding row is looked up on every step."""
+    batch = hf_batch(step)
+    batch["input_ids"][:, -3:] = pad
+    batch["labels"] = batch["input_ids"].clone()
+    return batch
+
+
+def gemma_batch(step: int) -> dict:
+    return _right_padded(step, 0)
+
+
+def phi3_batch(step: int) -> dict:
+    return _right_padded(step, PHI3_PAD)
+
+
+def opt_batch(step: int) -> dict:
+    return _right_padded(step, 1)
 
 
 ODD_VOCAB = 97  # GPT-2's own 50257 is odd too: no tensor-parallel size divides it
@@ -195,6 +296,9 @@ MODELS = {
     "gpt2": (build_gpt2, rules_gpt2, hf_batch, "loss"),
     "llama": (build_llama, rules_llama, hf_batch, "loss"),
     "nanogpt": (build_nanogpt, rules_nanogpt, nanogpt_batch, 1),
+    "gemma": (build_gemma, rules_gemma, gemma_batch, "loss"),
+    "phi3": (build_phi3, rules_phi3, phi3_batch, "loss"),
+    "opt": (build_opt, rules_opt, opt_batch, "loss"),
 }
 
 
@@ -257,3 +361,60 @@ class UntraceableNanoGPT(NanoGPT):
 def build_untraceable_nanogpt() -> nn.Module:
     torch.manual_seed(0)
     return UntraceableNanoGPT().double()
+
+
+# -- a nanoGPT-style model with grouped-query attention and one fused qkv of unequal parts ------------
+class _GQAttention(nn.Module):
+    """q (4 heads), k and v (2 heads each) from one Linear with a bias, cut as its author wrote it: by
+    slicing (`qkv[..., :q]`, as Phi-3) or by `split` into the three sizes."""
+
+    def __init__(self, n_embd: int, n_head: int, n_kv: int, cut: str):
+        super().__init__()
+        self.n_head, self.n_kv, self.hd, self.cut = n_head, n_kv, n_embd // n_head, cut
+        self.c_attn = nn.Linear(n_embd, (n_head + 2 * n_kv) * self.hd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        qkv, kv = self.c_attn(x), self.n_kv * self.hd
+        if self.cut == "slice":
+            q, k, v = qkv[..., :C], qkv[..., C : C + kv], qkv[..., C + kv :]
+        else:
+            q, k, v = qkv.split([C, kv, kv], dim=-1)
+        q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)
+        k, v = (t.view(B, T, self.n_kv, self.hd).transpose(1, 2) for t in (k, v))
+        rep = self.n_head // self.n_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class GQANanoGPT(NanoGPT):
+    """Without nanoGPT's assert on the length, so that torch.fx traces it (`qkv[..., :q]` is a getitem
+    there, an `aten.slice` under torch.export)."""
+
+    def __init__(self, cut: str = "slice", n_kv: int = 2):
+        super().__init__()
+        for block in self.h:
+            block.attn = _GQAttention(32, 4, n_kv, cut)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def build_gqa_sliced() -> nn.Module:
+    torch.manual_seed(0)
+    return GQANanoGPT("slice").double()
+
+
+def build_gqa_split() -> nn.Module:
+    torch.manual_seed(0)
+    return GQANanoGPT("split").double()
+
+
+MODELS["gqa-sliced"] = (build_gqa_sliced, rules_nanogpt, nanogpt_batch, 1)
+MODELS["gqa-split"] = (build_gqa_split, rules_nanogpt, nanogpt_batch, 1)

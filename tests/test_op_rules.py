@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshlib_torch.compiler.ops import RULES
-from meshlib_torch.compiler.placements import PARTIAL, R, Shard
+from meshlib_torch.compiler.placements import PARTIAL, R, Shard, part_sizes, parts_divide
 from meshlib_torch.compiler.shapes import chunk_fits
 from meshlib_torch.testing.rule_check import In, OpCase, check, kind, strategies, tensor_order
 
@@ -285,6 +285,9 @@ CASES = {
 SAME_RULE = {"sub": "add", "mul": "add", "div": "add", "mean": "sum", "select": "slice"}
 
 
+PARTS = [(1, 2), (2, 1, 1), (1, 2, 3)]  # unequal parts (grouped-query attention's q, k, v: 2:1:1)
+
+
 def test_every_rule_has_a_generator():
     assert set(RULES) == (set(CASES) - {"view back"}) | set(SAME_RULE)
 
@@ -297,6 +300,7 @@ def _placements(draw, case: OpCase, n: int, uneven: bool = False) -> list:
         x = case.inputs[i]
         options = [R] + [Shard(d) for d in range(x.dim()) if x.shape[d] % n == 0 or uneven and chunk_fits(x.shape[d], n)]
         options += [Shard(d, g) for d in range(x.dim()) for g in (2, 3) if x.shape[d] % (g * n) == 0]
+        options += [Shard(d, parts=w) for d in range(x.dim()) for w in PARTS if parts_divide(Shard(0, parts=w), x.shape[d], n)]
         if x.is_floating_point():
             options.append(PARTIAL)
         out.append(draw(st.sampled_from(options)))
@@ -341,3 +345,68 @@ def test_every_strategy_on_uneven_shards_equals_the_unsharded_op(name, data):
                 ) from None
     finally:
         SIZES["now"] = _even_sizes
+
+
+# -- a dim held in parts, cut into them --------------------------------------------------------------
+def _cut_one_part(draw, n, gen, weights):
+    """A fused projection's output (rows, parts along dim 1, in `weights`) cut into its parts: one part by
+    `aten.slice`, `narrow` or basic indexing, or every part by `split` into their sizes."""
+    unit = n * draw(st.sampled_from([1, 2]))
+    whole = sum(weights) * unit
+    x = _rand((draw(st.sampled_from([n, 3])), whole, 2), gen)
+    sizes = part_sizes(Shard(1, parts=weights) if len(set(weights)) > 1 else Shard(1, len(weights)), whole)
+    i = draw(st.integers(0, len(sizes) - 1))
+    start = sum(sizes[:i])
+    end = start + sizes[i]
+    form = draw(st.sampled_from(["slice", "open slice", "narrow", "index", "split"]))
+    if form == "slice":
+        return OpCase(aten.slice.Tensor, [x], (In(0), 1, start, end))
+    if form == "open slice":  # `qkv[..., a:]` as torch.export writes it: the end is INT64_MAX
+        return OpCase(aten.slice.Tensor, [x], (In(0), -2, start, end if i < len(sizes) - 1 else 2**63 - 1))
+    if form == "narrow":
+        return OpCase("narrow", [x], (In(0), 1, start, sizes[i]))
+    if form == "index":
+        return OpCase(operator.getitem, [x], (In(0), (Ellipsis, slice(start, end), slice(None))))
+    return OpCase(torch.split, [x], (In(0), list(sizes), 1))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_cut_into_parts_of_a_dim_held_in_parts_needs_no_gather(data):
+    """A dim split in parts (unequal, or equal groups) sliced to exactly one part, or split into all of
+    them: the rule offers a plain shard of the part(s) with the input as it is, and it and every other
+    strategy offered equals the op on the whole input."""
+    n = data.draw(st.integers(2, 4), label="ranks")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    weights = data.draw(st.sampled_from(PARTS + [(1, 1), (1, 1, 1)]), label="parts")
+    case = _cut_one_part(data.draw, n, gen, weights)
+    held = Shard(1, parts=weights) if len(set(weights)) > 1 else Shard(1, len(weights))
+    offered = strategies(case, [held], n)
+    kept = [s for s in offered if s.inputs == (held,)]
+    assert kept and all(o == Shard(1) for o in (kept[0].output if isinstance(kept[0].output, tuple) else (kept[0].output,))), (case, offered)
+    for strategy in offered:
+        try:
+            check(case, strategy, n)
+        except AssertionError as err:
+            raise AssertionError(f"{case.target} {case.args[1:]} on {n} ranks, input {held}: {strategy} is wrong: {err}") from None
+
+
+VIEWS = {  # n -> (shape, view, dim held in parts 1:2:3, the view's dim that carries them)
+    "rows merged": lambda n: ((2, 3, 6 * n), (6, 6 * n), 2, 1),
+    "split into heads": lambda n: ((2, 3, 18 * n), (2, 3, 6 * n, 3), 2, 2),
+    "merged with a minor dim": lambda n: ((2, 6 * n, 3), (2, 18 * n), 1, 1),
+}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name", sorted(VIEWS))
+def test_a_view_carries_unequal_parts(n, name):
+    """A view of a dim held in parts 1:2:3 where the dim leads its run of merged or split dims: the
+    parts' shard carries over, and every strategy offered equals the view of the whole."""
+    shape, to, dim, out_dim = VIEWS[name](n)
+    case = OpCase(aten.view.default, [_rand(shape, torch.Generator().manual_seed(n))], (In(0), list(to)))
+    held = Shard(dim, parts=(1, 2, 3))
+    offered = strategies(case, [held], n)
+    assert held.at(out_dim) in [s.output for s in offered], offered
+    for strategy in offered:
+        check(case, strategy, n)

@@ -4,9 +4,10 @@ A `P` becomes a layout, one placement per mesh axis. A dim split over several
 axes in mesh order is a nested shard (the first axis major), as DTensor and
 JAX both lay it out. Axes named out of mesh order, as in `P(('tp', 'dp'))` on
 a `(dp, tp)` mesh, become strided shards so the per-rank blocks still equal
-JAX's. A Linear whose output is split into `k` equal pieces (a fused qkv
-projection) gets a `k`-way strided shard, so that every rank holds whole
-pieces of each part and the split needs no gather.
+JAX's. A Linear whose output is cut into parts (a fused qkv projection) is
+split part by part: `k` equal parts give a `k`-way strided shard, unequal ones
+(grouped-query attention's q, k and v) a shard in parts, so that every rank
+holds whole heads of each part and the cut needs no gather.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.fx as fx
 from meshlib import Mesh, P, PatternRules, apply_rules, tree_shardings
 
 from .bind import bind
+from .parts import cut_sizes
 from .placements import PARTIAL, Layout, R, Shard
 
 
@@ -114,15 +116,17 @@ def check_single_axis_uneven(mesh: Mesh, spec: P, shape: tuple[int, ...], uneven
             )
 
 
-def fuse_groups(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
-    """Parameters of a projection whose output is split into k equal parts along its last dim
-    (a fused qkv) -> (the parameter's output dim, k). The projection is a Linear (`x @ W.T`, output
-    dim 0 of W) or a matmul by the weight (`x @ W`, Hugging Face's Conv1D: output dim 1), maybe with
-    its bias added and the result reshaped (the last dim kept) before the split."""
-    out: dict[str, tuple[int, int]] = {}
+def fuse_groups(gm: fx.GraphModule) -> dict[str, tuple[int, int | tuple[int, ...]]]:
+    """Parameters of a projection whose output is cut into parts along its last dim (a fused qkv)
+    -> (the parameter's output dim, k for k equal parts, or the parts' sizes where they differ, as
+    grouped-query attention's q, k and v do). The projection is a Linear (`x @ W.T`, output dim 0 of
+    W) or a matmul by the weight (`x @ W`, Hugging Face's Conv1D: output dim 1), maybe with its bias
+    added and the result reshaped (the last dim kept) before the cut: one `split`/`chunk` into the
+    parts, or slices of the last dim that tile it (`qkv[..., :q]`, `qkv[..., q:q + kv]`, ...)."""
+    out: dict[str, tuple[int, int | tuple[int, ...]]] = {}
     for node in gm.graph.nodes:
         view = bind(node)
-        if view.kind not in ("linear", "matmul") or len(view.tensors) != 2 or view.tensors[1].op != "get_attr":
+        if view.kind not in ("linear", "matmul") or len(view.tensors) != 2 or not _is_param(view.tensors[1]):
             continue
         w = view.tensors[1]
         if view.kind == "matmul" and len(view.shape(w)) != 2:
@@ -133,31 +137,39 @@ def fuse_groups(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
             nxt = bind(users[0])
             if nxt.kind == "add":
                 other = [a for a in nxt.tensors if a is not cur]
-                if not (other and other[0].op == "get_attr" and len(view.shape(other[0])) == 1):
+                if not (other and _is_param(other[0]) and len(view.shape(other[0])) == 1):
                     break
                 params.append((other[0].target, 0))
             elif not (nxt.kind == "view" and nxt.out_shape[-1:] == tuple(cur.meta["val"].shape)[-1:]):
                 break
             cur, users = users[0], list(users[0].users)
-        if len(users) != 1:
-            continue
-        split = bind(users[0])
-        if split.kind != "split":
-            continue
-        nd = len(cur.meta["val"].shape)
-        pieces = [tuple(t.shape) for t in split.out]
-        if (split.p.get("dim") or 0) % nd == nd - 1 and len({p[-1] for p in pieces}) == 1 and len(pieces) > 1:
+        sizes = cut_sizes(cur, users)
+        if sizes is not None:
             for name, dim in params:
-                out[name] = (dim, len(pieces))
+                out[name] = (dim, len(sizes) if len(set(sizes)) == 1 else tuple(sizes))
     return out
 
 
-def with_groups(layout: Layout, group: tuple[int, int], mesh: Mesh, shape) -> Layout:
-    """A fused projection's layout: a shard of its output dim holds whole parts (`Shard(dim, k)`). Where
-    the parts do not divide over the axes that split them (4 heads' q, k and v over tp=3), the layout is
-    kept as declared, a plain shard: the parts are then gathered before the split."""
+def _is_param(node: fx.Node) -> bool:
+    return node.op == "get_attr" and bool(node.meta.get("param"))
+
+
+def with_groups(layout: Layout, group: tuple[int, int | tuple[int, ...]], mesh: Mesh, shape) -> Layout:
+    """A fused projection's layout: a shard of its output dim holds a block of every part (`Shard(dim, k)`
+    for k equal parts, `Shard(dim, parts=...)` for unequal ones, their sizes in lowest terms). Where the
+    parts do not divide over the axes that split them (4 heads' q, k and v over tp=3), or unequal parts
+    are split over more than one axis, the layout is kept as declared, a plain shard: the parts are
+    then gathered before the cut."""
     dim, k = group
-    ways = math.prod(n for p, n in zip(layout, mesh.axis_sizes) if isinstance(p, Shard) and p.dim == dim)
-    if (shape[dim] // k) % ways:
-        return layout
-    return tuple(Shard(p.dim, k) if isinstance(p, Shard) and p.dim == dim and p.groups == 1 else p for p in layout)
+    on_dim = [n for p, n in zip(layout, mesh.axis_sizes) if isinstance(p, Shard) and p.dim == dim and p.plain]
+    ways = math.prod(on_dim)
+    if isinstance(k, int):
+        if (shape[dim] // k) % ways:
+            return layout
+        fused = Shard(dim, k)
+    else:
+        if len(on_dim) != 1 or ways < 2 or sum(k) != shape[dim] or any(size % ways for size in k):
+            return layout
+        unit = math.gcd(*k)
+        fused = Shard(dim, parts=tuple(size // unit for size in k))
+    return tuple(fused if isinstance(p, Shard) and p.dim == dim and p.plain else p for p in layout)

@@ -158,6 +158,12 @@ def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, opt
     if plain:
         note = ", ".join(plain) + ": the parts do not divide over the axes, so the split reads the output gathered"
         plan = plan.replace(notes=(*plan.notes, ("fused projections split as declared", note)))
+    unequal = sorted(n for n, lay in layouts.items() if any(isinstance(p, Shard) and p.parts for p in lay))
+    if unequal:
+        note = ", ".join(unequal) + ": DTensor has no placement for unequal parts, so each is a DTensor of its "
+        note += "rows in rank order; Parallel.whole, export and checkpoints give the model's order, a bare "
+        note += "full_tensor() does not"
+        plan = plan.replace(notes=(*plan.notes, ("parameters in rank order", note)))
     buffers = {n: b for n, b in gm.named_buffers()}
     compiled = Compiled(
         mesh, axes, gm.graph, traced, comms, specials, specs, layouts, in_layouts, names, plan, buffers, plans

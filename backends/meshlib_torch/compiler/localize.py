@@ -3,6 +3,7 @@
 - Shape arithmetic is folded to the global constants it had when traced.
 - Views, expands and splits get the local shapes of their chosen layouts.
 - A mean over a sharded dim becomes that shard's share of the global mean.
+- A slice that takes one part of a dim held in parts (a fused qkv's q) takes that part's block.
 - A parameter is read through `to_local()` (its gradient flows back to the DTensor).
 - Ops whose local form depends on the rank become `call_module op<i>` nodes:
   a vocab-parallel embedding and a sharded cross-entropy.
@@ -18,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from .bind import aten, bind, dims_arg
+from .parts import local_part_bounds, part_cut
 from .placements import Partial, Pending, Shard
 from .propagate import Axes, NodePlan
 from .shapes import local_shape, ragged_dims
@@ -66,6 +68,8 @@ def localize(gm: fx.GraphModule, plans: dict[fx.Node, NodePlan], axes: Axes, par
             _split(gm, node, plan, axes)
         elif kind == "mean":
             _rescale_mean(gm, node, plan, axes)
+        elif kind in ("slice", "index") and part_cut(plan.view, plan.need[0]) is not None:
+            local_part_bounds(node, plan.view, plan.need[0], axes.sizes)
         elif kind == "embedding" and any(w == Shard(0) and not isinstance(i, Shard) for i, w in zip(*plan.need)):
             _special(gm, node, specials, "vocab_embedding", _vocab_args(plan, axes), plan.view.tensors)
         elif kind == "cross_entropy" and any(isinstance(p, Shard) for p in plan.need[0]):
@@ -147,7 +151,17 @@ def _rescale_mean(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes)
 def _vocab_args(plan: NodePlan, axes: Axes) -> dict:
     axis = next(a for a, i, w in zip(axes.names, *plan.need) if w == Shard(0) and not isinstance(i, Shard))
     vocab = plan.view.shape(plan.view.tensors[1])[0]
-    return {"axis": axis, "vocab": vocab, "ways": _sizes(axes)[axis]}
+    return {"axis": axis, "vocab": vocab, "ways": _sizes(axes)[axis], "padding_idx": padding_row(plan.view, vocab)}
+
+
+def padding_row(view, vocab: int) -> int | None:
+    """The row an embedding's `padding_idx` names (its gradient stays zero), or None. `F.embedding` counts
+    a negative one from the end, as `nn.Embedding` does; ATen's `embedding` takes -1 for none (F.embedding
+    normalises before calling it) and never matches another negative one."""
+    pad = view.p.get("padding_idx")
+    if pad is None or pad < 0 and view.p.get("_target") is aten.embedding.default:
+        return None
+    return pad + vocab if pad < 0 else pad
 
 
 def _ce_args(plan: NodePlan, axes: Axes) -> dict:

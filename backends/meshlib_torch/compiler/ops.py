@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .bind import OpView, dims_arg
-from .placements import PARTIAL, Partial, Placement, R, Replicate, Shard
-from .shapes import view_shards
+from .parts import index_slice, part_taken, slice_bounds, view_dims
+from .placements import PARTIAL, Partial, Placement, R, Replicate, Shard, part_sizes
+from .shapes import index_dim_map, view_shards
 
 Out = Placement | tuple[Placement, ...]
 
@@ -51,14 +52,14 @@ def pointwise(
     """Output sharded like its inputs (or like a `hint`, an output shard worth trying);
     whole; or, from the input tuples in `partial`, a partial sum."""
     out_shards = [
-        Shard(_input_dim_to_out(v, v.tensors[i], s.dim), s.groups) for i, s in enumerate(cur) if isinstance(s, Shard)
+        s.at(_input_dim_to_out(v, v.tensors[i], s.dim)) for i, s in enumerate(cur) if isinstance(s, Shard)
     ]
     out: list[Strategy] = []
     for o in out_shards + [h for h in hint if h.dim < len(v.out_shape)]:
         ins = []
         for x in v.tensors:
             d = _aligned(v, x, o.dim)
-            ins.append(Shard(d, o.groups) if d is not None else R)
+            ins.append(o.at(d) if d is not None else R)
         cand = Strategy(tuple(ins), o)
         if cand not in out:
             out.append(cand)
@@ -104,7 +105,7 @@ def reduction(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
             out.append(Strategy((s,), PARTIAL))
         else:
             od = s.dim if keep else s.dim - sum(d < s.dim for d in dims)
-            out.append(Strategy((s,), Shard(od, s.groups)))
+            out.append(Strategy((s,), s.at(od)))
     out += [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
     return out
 
@@ -128,9 +129,9 @@ def linear(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     out = [Strategy((s, R), s) for s in _shards(cur[:1]) if s.dim < nd - 1]
     w = cur[1]
     if isinstance(w, Shard) and w.dim == 0:
-        out.append(Strategy((R, w), Shard(nd - 1, w.groups)))
+        out.append(Strategy((R, w), w.at(nd - 1)))
     if isinstance(w, Shard) and w.dim == 1:
-        out.append(Strategy((Shard(nd - 1, w.groups), w), PARTIAL))
+        out.append(Strategy((w.at(nd - 1), w), PARTIAL))
     out += [Strategy((PARTIAL, R), PARTIAL), Strategy((R, R), R)]
     return out
 
@@ -180,8 +181,8 @@ def contraction(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
         for t, shape in zip(terms, shapes):
             pos = t.find(label)
             broadcast = pos < 0 or shape[pos] == 1 and shapes[i][s.dim] != 1
-            ins.append(R if broadcast else Shard(pos, s.groups))
-        res: Placement = Shard(out_term.index(label), s.groups) if label in out_term else PARTIAL
+            ins.append(R if broadcast else s.at(pos))
+        res: Placement = s.at(out_term.index(label)) if label in out_term else PARTIAL
         cand = Strategy(tuple(ins), res)
         if cand not in out:
             out.append(cand)
@@ -208,7 +209,7 @@ def sdpa(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
 def embedding(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     out = [Strategy((s, R), s) for s in _shards(cur[:1])]
     w = cur[1]
-    if w == Shard(0) and v.p.get("padding_idx") in (None, -1):
+    if w == Shard(0):  # vocab-parallel; a padding row is zeroed in backward by the rank that holds it
         out.append(Strategy((R, w), PARTIAL))
     if w == Shard(1):
         out.append(Strategy((R, w), Shard(len(v.out_shape) - 1)))
@@ -235,7 +236,10 @@ def view(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     out = []
     if isinstance(s, Shard):
         src, dst = (v.local[0][0], v.local[1]) if v.local else (v.shape(v.tensors[0]), v.out_shape)
-        out += [Strategy((s,), Shard(*d)) for d in view_shards(src, dst, s.dim, s.groups)]
+        if s.parts:
+            out += [Strategy((s,), s.at(j)) for j in view_dims(src, dst, s.dim, s.parts)]
+        else:
+            out += [Strategy((s,), Shard(*d)) for d in view_shards(src, dst, s.dim, s.groups)]
     return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
 
 
@@ -255,7 +259,7 @@ def _perm(v: OpView) -> list[int]:
 
 def permute(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     perm = _perm(v)
-    out = [Strategy((s,), Shard(perm.index(s.dim), s.groups)) for s in _shards(cur)]
+    out = [Strategy((s,), s.at(perm.index(s.dim))) for s in _shards(cur)]
     return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
 
 
@@ -264,29 +268,31 @@ def expand(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     for s in _shards(cur):
         od = _input_dim_to_out(v, v.tensors[0], s.dim)
         if v.shape(v.tensors[0])[s.dim] == v.out_shape[od]:
-            out.append(Strategy((s,), Shard(od, s.groups)))
+            out.append(Strategy((s,), s.at(od)))
     return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
 
 
 def repeat_interleave(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     if not isinstance(v.p.get("repeats"), int) or v.p.get("dim") is None:
         return [Strategy((R,), R)]
-    return [Strategy((s,), s) for s in _shards(cur) if s.groups == 1] + [
+    return [Strategy((s,), s) for s in _shards(cur) if s.plain] + [
         Strategy((PARTIAL,), PARTIAL),
         Strategy((R,), R),
     ]
 
 
 def split(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
-    nd = len(v.shape(v.tensors[0]))
-    dim = (v.p.get("dim") or 0) % nd
-    pieces = [tuple(t.shape) for t in v.out]
+    """Shards of other dims stay; a dim split in parts (equal groups or unequal parts) split into exactly
+    those parts gives plain shards of each."""
+    shape = v.shape(v.tensors[0])
+    dim = (v.p.get("dim") or 0) % len(shape)
+    pieces = tuple(tuple(t.shape)[dim] for t in v.out)
     k = len(pieces)
     out = []
     for s in _shards(cur):
         if s.dim != dim:
             out.append(Strategy((s,), (s,) * k))
-        elif s.groups == k and len({p[dim] for p in pieces}) == 1:
+        elif not s.plain and part_sizes(s, shape[dim]) == pieces:
             out.append(Strategy((s,), (Shard(dim),) * k))
     return out + [Strategy((PARTIAL,), (PARTIAL,) * k), Strategy((R,), (R,) * k)]
 
@@ -301,23 +307,31 @@ def cat(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
 
 
 def index(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
-    """Basic indexing: slices, ints, None and Ellipsis; a sharded dim must be kept whole."""
-    from .shapes import index_dim_map
-
-    kept = index_dim_map(v.shape(v.tensors[0]), v.p["index"])
+    """Basic indexing: slices, ints, None and Ellipsis; a sharded dim must be kept whole, or, split in
+    parts, be sliced to exactly one part (a plain shard of it)."""
+    shape = v.shape(v.tensors[0])
+    kept = index_dim_map(shape, v.p["index"])
+    cut = index_slice(shape, v.p["index"])
     out = []
-    if kept is not None:
-        for s in _shards(cur):
-            if kept.get(s.dim) is not None:
-                out.append(Strategy((s,), Shard(kept[s.dim], s.groups)))
+    for s in _shards(cur) if kept is not None else []:
+        if kept.get(s.dim) is not None:
+            out.append(Strategy((s,), s.at(kept[s.dim])))
+        elif cut is not None and cut[0] == s.dim:
+            if part_taken(s, shape[s.dim], *cut[1].indices(shape[s.dim])) is not None:
+                out.append(Strategy((s,), Shard(cut[2])))
     return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
 
 
 def slice_(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
-    nd = len(v.shape(v.tensors[0]))
-    dim = v.p.get("dim", 0) % nd
+    """Shards of other dims stay; a dim split in parts sliced to exactly one part is a plain shard of it."""
+    shape = v.shape(v.tensors[0])
+    dim = v.p.get("dim", 0) % len(shape)
     out_dim_of = (lambda d: d - (d > dim)) if v.kind == "select" else (lambda d: d)
-    out = [Strategy((s,), Shard(out_dim_of(s.dim), s.groups)) for s in _shards(cur) if s.dim != dim]
+    out = [Strategy((s,), s.at(out_dim_of(s.dim))) for s in _shards(cur) if s.dim != dim]
+    if v.kind == "slice":
+        _, start, end, step = slice_bounds(v)
+        taken = [s for s in _shards(cur) if s.dim == dim and part_taken(s, shape[dim], start, end, step) is not None]
+        out += [Strategy((s,), Shard(dim)) for s in taken]
     return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
 
 
@@ -339,8 +353,8 @@ def dimwise(v: OpView, cur: list[Placement], hint=(), *, fixed: tuple[int, ...] 
         d = _input_dim_to_out(v, v.tensors[cur.index(s)], s.dim)
         if d in fixed:
             continue
-        ins = tuple(Shard(a, s.groups) if (a := _aligned(v, x, d)) is not None else R for x in v.tensors)
-        cand = Strategy(ins, Shard(d, s.groups))
+        ins = tuple(s.at(a) if (a := _aligned(v, x, d)) is not None else R for x in v.tensors)
+        cand = Strategy(ins, s.at(d))
         if cand not in out and d < nd:
             out.append(cand)
     if linear:
@@ -390,7 +404,7 @@ def index_select(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     dim = v.p["dim"] % len(v.out_shape)
     out = [Strategy((s, R), s) for s in _shards(cur[:1]) if s.dim != dim]
     if isinstance(cur[1], Shard):
-        out.append(Strategy((R, cur[1]), Shard(dim, cur[1].groups)))
+        out.append(Strategy((R, cur[1]), cur[1].at(dim)))
     return out + [Strategy((PARTIAL, R), PARTIAL), Strategy((R, R), R)]
 
 
@@ -410,7 +424,7 @@ def index_tensor(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     for s in _shards(cur[:1]):
         if s.dim not in read:
             od = s.dim if s.dim < first else s.dim - len(read) + width
-            out.insert(0, Strategy((s,) + (R,) * (n - 1), Shard(od, s.groups)))
+            out.insert(0, Strategy((s,) + (R,) * (n - 1), s.at(od)))
     for k, s in enumerate(cur[1:], start=1):
         if not isinstance(s, Shard):
             continue
@@ -419,8 +433,8 @@ def index_tensor(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
         for idx in v.tensors[1:]:
             shape = v.shape(idx)
             a = j - (width - len(shape))
-            ins.append(R if a < 0 or shape[a] == 1 else Shard(a, s.groups))
-        cand = Strategy(tuple(ins), Shard(first + j, s.groups))
+            ins.append(R if a < 0 or shape[a] == 1 else s.at(a))
+        cand = Strategy(tuple(ins), s.at(first + j))
         if cand not in out:
             out.insert(0, cand)
     return out + whole
@@ -429,7 +443,7 @@ def index_tensor(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
 def stack(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     dim = v.p.get("dim", 0) % len(v.out_shape)
     n = len(cur)
-    out = [Strategy((s,) * n, Shard(s.dim + (s.dim >= dim), s.groups)) for s in _shards(cur)]
+    out = [Strategy((s,) * n, s.at(s.dim + (s.dim >= dim))) for s in _shards(cur)]
     return out + [Strategy((PARTIAL,) * n, PARTIAL), Strategy((R,) * n, R)]
 
 
@@ -437,7 +451,7 @@ def unbind(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     nd = len(v.shape(v.tensors[0]))
     dim = (v.p.get("dim") or 0) % nd
     k = len(v.out)
-    out = [Strategy((s,), (Shard(s.dim - (s.dim > dim), s.groups),) * k) for s in _shards(cur) if s.dim != dim]
+    out = [Strategy((s,), (s.at(s.dim - (s.dim > dim)),) * k) for s in _shards(cur) if s.dim != dim]
     return out + [Strategy((PARTIAL,), (PARTIAL,) * k), Strategy((R,), (R,) * k)]
 
 

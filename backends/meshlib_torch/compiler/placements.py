@@ -2,8 +2,11 @@
 
 `Shard(dim, groups)` splits `dim` over the axis; with `groups > 1` the dim is
 first viewed as `groups` equal parts and each part is split (a fused qkv
-projection holds whole heads of q, k and v this way). `Replicate()` holds the
-whole value; `Partial()` holds a summand.
+projection holds whole heads of q, k and v this way). `Shard(dim, parts=w)`
+does the same for parts of unequal sizes, in the ratio `w` (lowest terms): a
+fused qkv under grouped-query attention, q of 32 rows and k and v of 16 each, is
+`Shard(0, parts=(2, 1, 1))`, and rank r of n holds rows r/n..(r+1)/n of each part.
+`Replicate()` holds the whole value; `Partial()` holds a summand.
 
 A layout is a tuple of placements, one per mesh axis, in mesh order.
 """
@@ -21,9 +24,48 @@ SLICE_COST = 1e-6  # below any collective's bytes
 class Shard:
     dim: int
     groups: int = 1
+    parts: tuple[int, ...] = ()  # unequal parts' sizes in lowest terms (groups stays 1), each split
+
+    def __post_init__(self):
+        if not self.parts:
+            return
+        w = self.parts
+        if (
+            self.groups != 1 or len(w) < 2 or any(not isinstance(x, int) or x < 1 for x in w)
+            or math.gcd(*w) != 1 or len(set(w)) == 1
+        ):  # fmt: skip
+            raise ValueError(
+                f"Shard(dim={self.dim}, groups={self.groups}, parts={w}): parts are the sizes of two or more "
+                "unequal parts in lowest terms (positive ints, gcd 1), with groups=1; equal parts are groups=k"
+            )
+
+    @property
+    def plain(self) -> bool:
+        """One contiguous piece per rank (no groups, no parts)."""
+        return self.groups == 1 and not self.parts
+
+    def at(self, dim: int) -> Shard:
+        """The same split (groups or parts kept) of another dim: where an op moves the dim, same size."""
+        return Shard(dim, self.groups, self.parts)
 
     def __repr__(self) -> str:
+        if self.parts:
+            return f"S({self.dim}/{':'.join(map(str, self.parts))})"
         return f"S({self.dim})" if self.groups == 1 else f"S({self.dim}/{self.groups})"
+
+
+def part_sizes(p: Shard, size: int) -> tuple[int, ...] | None:
+    """The sizes of the parts `p` views a dim of `size` as (each then split over the axis); one part
+    for a plain shard. None when `size` is no multiple of the parts' total."""
+    weights = p.parts or (1,) * p.groups
+    unit, rest = divmod(size, sum(weights))
+    return None if rest else tuple(w * unit for w in weights)
+
+
+def parts_divide(p: Shard, size: int, n: int) -> bool:
+    """Every part of a dim of `size` splits evenly over `n` ranks."""
+    sizes = part_sizes(p, size)
+    return sizes is not None and all(s % n == 0 for s in sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +178,7 @@ def zero1_shard_dim(local_shape: tuple[int, ...], n: int, layout, ragged=frozens
     unevenly, in torch.chunk's sizes as DTensor's Shard and FSDP2 use (see `chunk_rows`). None
     (a scalar, or every dim already split by another axis): each rank keeps the whole tensor. A dim
     another axis cuts unevenly (`ragged`) is never split again: DTensor cannot describe the nesting."""
-    grouped = {p.dim for p in layout if isinstance(p, Shard) and p.groups > 1} | set(ragged)
+    grouped = {p.dim for p in layout if isinstance(p, Shard) and not p.plain} | set(ragged)
     fits = [d for d, size in enumerate(local_shape) if size % n == 0 and size >= n and d not in grouped]
     if fits:
         return fits[0]

@@ -24,7 +24,7 @@ from .placements import Layout, Shard, zero1_split
 from .propagate import Axes, NodePlan
 from .redistribute import CommSpec
 from .remat import Remat
-from .shapes import local_shape, ragged_dims, shard_indices
+from .shapes import local_shape, ragged_dims, rank_order, shard_indices
 from .trace import Traced
 
 RECOMPUTE = ("none", "block", "selective")
@@ -85,6 +85,11 @@ class Compiled:
             self.axes.sizes,
             [coords[a] for a in self.axes.names],
         )
+
+    def param_rank_order(self, name: str) -> dict[int, torch.Tensor]:
+        """Per dim of parameter `name` split in unequal parts: the model's row of each of the DTensor's
+        rows, which hold them in rank order (`shapes.rank_order`); empty for every other parameter."""
+        return rank_order(tuple(self.traced.params[name].shape), self.param_layouts[name], self.axes.sizes)
 
     def local_param_shape(self, name: str) -> tuple[int, ...]:
         """The parameter's shard on the first rank (the largest, where a dim is cut unevenly)."""

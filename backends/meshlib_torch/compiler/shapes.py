@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .placements import Layout, Shard, chunk_rows
+from .placements import Layout, Shard, chunk_rows, part_sizes, parts_divide
 
 
 def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
@@ -65,8 +65,9 @@ def view_shards(src: Sequence[int], dst: Sequence[int], dim: int, groups: int = 
     return []
 
 
-def index_dim_map(shape: Sequence[int], index) -> dict[int, int | None] | None:
-    """For basic indexing, input dim -> output dim (None: sliced or removed)."""
+def expand_index(shape: Sequence[int], index) -> list | None:
+    """A basic index (slices, ints, None, Ellipsis) as one item per input dim (Ellipsis expanded, `None`s
+    kept where they insert a dim); None for any other index."""
     items = index if isinstance(index, tuple) else (index,)
     if any(not (isinstance(it, (slice, int)) or it is None or it is Ellipsis) for it in items):
         return None
@@ -77,21 +78,33 @@ def index_dim_map(shape: Sequence[int], index) -> dict[int, int | None] | None:
             expanded += [slice(None)] * (len(shape) - n_real)
         else:
             expanded.append(it)
-    expanded += [slice(None)] * (len(shape) - sum(1 for it in expanded if it is not None))
-    out: dict[int, int | None] = {}
+    return expanded + [slice(None)] * (len(shape) - sum(1 for it in expanded if it is not None))
+
+
+def index_items(shape: Sequence[int], index) -> dict[int, tuple[object, int | None]] | None:
+    """For basic indexing, input dim -> (its item, its output dim: None where an int removes it)."""
+    expanded = expand_index(shape, index)
+    if expanded is None:
+        return None
+    out: dict[int, tuple[object, int | None]] = {}
     d = o = 0
     for it in expanded:
         if it is None:
             o += 1
             continue
-        if isinstance(it, int):
-            out[d] = None
-        else:
-            whole = it.indices(shape[d]) == (0, shape[d], 1)
-            out[d] = o if whole else None
-            o += 1
+        out[d] = (it, None if isinstance(it, int) else o)
+        o += not isinstance(it, int)
         d += 1
     return out
+
+
+def index_dim_map(shape: Sequence[int], index) -> dict[int, int | None] | None:
+    """For basic indexing, input dim -> output dim (None: sliced or removed)."""
+    items = index_items(shape, index)
+    if items is None:
+        return None
+    whole = lambda d, it: isinstance(it, slice) and it.indices(shape[d]) == (0, shape[d], 1)  # noqa: E731
+    return {d: o if whole(d, it) else None for d, (it, o) in items.items()}
 
 
 def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int], coords=None) -> tuple[int, ...]:
@@ -100,7 +113,11 @@ def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int], coor
     DTensor's Shard cuts it (only plain shards: propagation allows no other uneven ones)."""
     out = list(shape)
     for i, (p, n) in enumerate(zip(layout, sizes)):
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) and p.parts:
+            if not parts_divide(p, out[p.dim], n):
+                raise ValueError(f"dim {p.dim} of {tuple(shape)} does not split over {n} ranks in parts {p.parts}")
+            out[p.dim] //= n
+        elif isinstance(p, Shard):
             if out[p.dim] % (n * p.groups) == 0 or (p.groups > 1 and out[p.dim] % n == 0):
                 out[p.dim] //= n
             elif p.groups == 1:
@@ -132,9 +149,9 @@ def divides(shape: Sequence[int], p, n: int, uneven: bool = False) -> bool:
     if p.dim >= len(shape):
         return False
     size = shape[p.dim]
-    if size % p.groups == 0 and (size // p.groups) % n == 0:
+    if parts_divide(p, size, n):
         return True
-    return uneven and p.groups == 1 and chunk_fits(size, n)
+    return uneven and p.plain and chunk_fits(size, n)
 
 
 def chunk_fits(size: int, n: int) -> bool:
@@ -149,14 +166,27 @@ def padded(size: int, n: int) -> int:
 
 def shard_indices(shape, layout: Layout, sizes, coords) -> list[torch.Tensor]:
     """Per dim, the global indices this rank holds (nested shards applied in mesh order; a plain
-    shard that does not divide in torch.chunk's sizes)."""
+    shard that does not divide in torch.chunk's sizes; a shard in groups or parts: its block of each)."""
     idx = [torch.arange(n) for n in shape]
     for p, n, c in zip(layout, sizes, coords):
         if isinstance(p, Shard):
             d = idx[p.dim]
-            if p.groups == 1 and d.numel() % n:
+            if p.plain and d.numel() % n:
                 idx[p.dim] = d.narrow(0, *chunk_rows(d.numel(), n, c))
                 continue
-            block = d.numel() // (p.groups * n)
-            idx[p.dim] = d.reshape(p.groups, n, block)[:, c].reshape(-1)
+            pieces = d.split(list(part_sizes(p, d.numel())))
+            idx[p.dim] = torch.cat([piece.reshape(n, -1)[c] for piece in pieces])
     return idx
+
+
+def rank_order(shape, layout: Layout, sizes) -> dict[int, torch.Tensor]:
+    """For each dim a shard in unequal parts cuts: the model's index of each row when the rows are laid
+    out in rank order (rank 0's block of every part, then rank 1's, ...), as a DTensor `Shard(dim)`
+    holds them (DTensor has no placement for unequal parts). Row `i` in rank order is the model's row
+    `order[dim][i]`; empty for a layout without unequal parts."""
+    out = {}
+    for p, n in zip(layout, sizes):
+        if isinstance(p, Shard) and p.parts:
+            rows = [shard_indices(shape, (p,), (n,), (c,))[p.dim] for c in range(n)]
+            out[p.dim] = torch.cat(rows)
+    return out

@@ -28,16 +28,19 @@ def no_reduce(x: torch.Tensor, op: str, axis: str, wait: bool = True) -> None:
 
 class VocabEmbedding(nn.Module):
     """Rank r holds the vocabulary's r-th torch.chunk piece of rows (`[r*V/n, (r+1)*V/n)` when n divides
-    V): look up the ids in range, zero the rest (output: partial)."""
+    V): look up the ids in range, zero the rest (output: partial). A padding row (`padding_idx`, the
+    global row) gets no gradient: the rank that holds it says so to its lookup, the others hold none."""
 
-    def __init__(self, *, vocab: int, ways: int, rank: int, **_):
+    def __init__(self, *, vocab: int, ways: int, rank: int, padding_idx: int | None = None, **_):
         super().__init__()
         self.start, self.local_vocab = chunk_rows(vocab, ways, rank)
+        local = None if padding_idx is None else padding_idx - self.start
+        self.padding_idx = local if local is not None and 0 <= local < self.local_vocab else None
 
     def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         inside = (local >= 0) & (local < self.local_vocab)
-        out = F.embedding(local.clamp(0, self.local_vocab - 1), weight)
+        out = F.embedding(local.clamp(0, self.local_vocab - 1), weight, padding_idx=self.padding_idx)
         return out * inside.unsqueeze(-1).to(out.dtype)
 
 

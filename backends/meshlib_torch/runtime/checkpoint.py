@@ -19,13 +19,14 @@ Every tensor is saved as it lives (a DTensor parameter in its layout, FSDP2's
 shard, ZeRO-1's master shard), and DCP records each rank's piece by its global
 offsets, so a run on another mesh or zero level reads just the pieces it needs.
 Some pieces are not one box of the global tensor: a fused projection split in
-groups over `tp` (a `StridedShard`), and FSDP2's or ZeRO-1's split inside
-it. DTensor describes such a piece by its first offset alone, so DCP refuses
-to save it (overlapping chunks) and silently loads the wrong rows into it
-(both seen on torch 2.13). Here each such piece is described as several boxes,
-one per contiguous run of global indices along each dim (`_Pieces`), so no
-layout is converted or gathered at save time, ZeRO-1's strided master shards
-included.
+groups over `tp` (a `StridedShard`), or in unequal parts (a DTensor of its rows
+in rank order, `runtime.dtensor`: its boxes are mapped back to the model's
+rows), and FSDP2's or ZeRO-1's split inside either. DTensor describes such a
+piece by its first offset alone, so DCP refuses to save it (overlapping
+chunks) and silently loads the wrong rows into it (both seen on torch 2.13).
+Here each such piece is described as several boxes, one per contiguous run of
+global indices along each dim (`_Pieces`), so no layout is converted or
+gathered at save time, ZeRO-1's strided master shards included.
 
 Where the full-precision value of a parameter comes from on load: its
 `optim.<fqn>.master` if saved, else `model.<fqn>`. A run that keeps separate
@@ -76,7 +77,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..torch_private import StridedShard, make_wrapper_subclass, shard_size_and_offsets
 
-__all__ = ["load", "save"]
+__all__ = ["checkpointable", "load", "rank_orders", "save"]
 
 _LIST = 10  # names shown in an error before "... and N more"
 
@@ -95,7 +96,8 @@ def save(path: str | os.PathLike, par, opt, *, step: int, extra: dict | None = N
     final = os.path.abspath(os.fspath(path))
     staging = final + ".saving"
     state: dict = _agreed(_live, par, opt)
-    state = {key: _checkpointable(t) for key, t in state.items()}
+    orders = rank_orders(par)
+    state = {key: checkpointable(t, orders.get(_param_of(key))) for key, t in state.items()}
     _agreed(_on_rank0, _clear_staging, final, staging)
     state["rng.cpu"] = _gather_rng()
     state["step"], state["extra"] = step, dict(extra or {})
@@ -146,6 +148,20 @@ def _live(par, opt) -> dict[str, torch.Tensor]:
     return out
 
 
+def rank_orders(par) -> dict[str, dict[int, torch.Tensor]]:
+    """The parameters held in unequal parts, each with the model's row of each of its DTensor's rows
+    (which are in rank order: `runtime.dtensor`); the same for their gradients, masters and moments."""
+    orders = {name: par.compiled.param_rank_order(name) for name in par.compiled.traced.params}
+    return {name: order for name, order in orders.items() if order}
+
+
+def _param_of(key: str) -> str:
+    """The parameter FQN a checkpoint key belongs to (`model.<fqn>`, `optim.<fqn>.<state>`)."""
+    if key.startswith("model."):
+        return key.removeprefix("model.")
+    return key.removeprefix("optim.").rsplit(".", 1)[0] if key.startswith("optim.") else ""
+
+
 def _target(opt, name: str) -> torch.Tensor:
     """The tensor AdamW updates for parameter `name`: its master if it has one, else itself."""
     master = opt.master.get(name)
@@ -180,7 +196,7 @@ def load(path: str | os.PathLike, par, opt) -> dict:
     path = os.fspath(path)
     slots = _agreed(_plan, path, par, opt)
     buffers = {id(s): _empty_like(s.like) for s in slots}
-    loaded = _read(path, slots, buffers)
+    loaded = _read(path, slots, buffers, rank_orders(par))
     with torch.no_grad():
         _commit(par, opt, slots, buffers)
     rows = loaded["rng.cpu"]
@@ -251,8 +267,9 @@ def _by_param(saved) -> dict[str, dict]:
     return out
 
 
-def _read(path: str, slots: list[_Slot], buffers: dict) -> dict:
-    """DCP-load every slot (a key read into two buffers takes two rounds); the loaded values by key."""
+def _read(path: str, slots: list[_Slot], buffers: dict, orders: dict) -> dict:
+    """DCP-load every slot (a key read into two buffers takes two rounds); the loaded values by key.
+    `orders`: the rank order of the parameters held in unequal parts (`rank_orders`)."""
     rounds: list[dict] = [{"step": 0, "extra": {}}]
     out: dict = {}
     seen: dict[str, int] = defaultdict(int)
@@ -261,7 +278,7 @@ def _read(path: str, slots: list[_Slot], buffers: dict) -> dict:
         seen[s.key] += 1
         if i == len(rounds):
             rounds.append({})
-        rounds[i][s.key] = _checkpointable(buffers[id(s)])
+        rounds[i][s.key] = checkpointable(buffers[id(s)], orders.get(s.name))
         out.setdefault(s.key, buffers[id(s)])
     planner = lambda: dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)  # noqa: E731
     for state in rounds:
@@ -390,12 +407,14 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t)
 
 
-def _checkpointable(t: torch.Tensor) -> torch.Tensor:
-    """What DCP saves from or loads into: a plain tensor as it is; a DTensor as the boxes this rank holds."""
+def checkpointable(t: torch.Tensor, order: dict | None = None) -> torch.Tensor:
+    """What DCP saves from or loads into: a plain tensor as it is; a DTensor as the boxes this rank holds,
+    in the model's indices (`order`: for a parameter held in unequal parts, the model's row of each of
+    the DTensor's rows, which are in rank order)."""
     if not isinstance(t, DTensor):
         return t.detach()
     local = t._local_tensor.detach()
-    runs = _held_runs(t)
+    runs = _held_runs(t, order or {})
     boxes = []
     if runs is not None:
         for combo in itertools.product(*runs):
@@ -406,12 +425,13 @@ def _checkpointable(t: torch.Tensor) -> torch.Tensor:
     return _Pieces(t.shape, local, boxes)
 
 
-def _held_runs(t: DTensor) -> list[list[tuple[int, int, int]]] | None:
+def _held_runs(t: DTensor, order: dict) -> list[list[tuple[int, int, int]]] | None:
     """Per tensor dim, the (local start, global start, length) runs this rank holds; None if nothing.
 
     The global indices come from DTensor's own rule (placements applied left to
     right over the mesh, `StridedShard` included), kept whole rather than
-    reduced to their first offset.
+    reduced to their first offset; along a dim of `order` they index rows in
+    rank order, which `order` turns into the model's rows.
     """
     mesh, shape = t.device_mesh, tuple(t.shape)
     coord = mesh.get_coordinate()
@@ -429,7 +449,9 @@ def _held_runs(t: DTensor) -> list[list[tuple[int, int, int]]] | None:
         sizes[p.dim], index[p.dim] = size, offsets
     if tuple(sizes) != tuple(t._local_tensor.shape):
         raise ValueError(f"a DTensor's local shape {tuple(t._local_tensor.shape)} is not its layout's {tuple(sizes)}")
-    return [_runs(index.get(d, torch.arange(n)).tolist()) for d, n in enumerate(shape)]
+    held = [index.get(d, torch.arange(n)) for d, n in enumerate(shape)]
+    held = [order[d][ix] if d in order else ix for d, ix in enumerate(held)]
+    return [_runs(ix.tolist()) for ix in held]
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int, int]]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compiler.placements import Partial, Replicate, Shard, chunk_rows, natural_grad
+from ..compiler.placements import Partial, Replicate, Shard, chunk_rows, natural_grad, part_sizes
 from ..compiler.placements import kind as pl_kind
 from ..compiler.redistribute import CommSpec
 from ..compiler.remat import comm_forward, gathers, kept, note_gathered
@@ -58,22 +58,25 @@ COUNTER = CommCounter()
 
 
 # -- one axis step --------------------------------------------------------------------------
-def blocks(x: torch.Tensor, dim: int, groups: int, n: int) -> torch.Tensor:
-    """View `dim` as (groups, n, block) and move `n` first: (n, ..., groups*block, ...) per rank."""
-    shape = list(x.shape)
-    block = shape[dim] // (groups * n)
-    v = x.reshape(shape[:dim] + [groups, n, block] + shape[dim + 1 :])
-    v = v.movedim(dim + 1, 0)
-    return v.reshape([n] + shape[:dim] + [groups * block] + shape[dim + 1 :])
+def blocks(x: torch.Tensor, p: Shard, n: int) -> torch.Tensor:
+    """Each rank's block of `x` under `p`, stacked: (n, ..., local size, ...). Every part of `p.dim` (one,
+    `groups` equal ones, or unequal `parts`) is viewed as (n, its block) and rank r's are concatenated."""
+    dim, shape = p.dim, list(x.shape)
+    pieces = x.split(list(part_sizes(p, shape[dim])), dim)
+    moved = [
+        piece.reshape(shape[:dim] + [n, piece.shape[dim] // n] + shape[dim + 1 :]).movedim(dim, 0) for piece in pieces
+    ]
+    return moved[0] if len(moved) == 1 else torch.cat(moved, dim + 1)
 
 
-def unblocks(stacked: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
-    """Inverse of `blocks`: (n, ..., groups*block, ...) -> the dim of size groups*n*block."""
-    n, shape = stacked.shape[0], list(stacked.shape[1:])
-    block = shape[dim] // groups
-    v = stacked.reshape([n] + shape[:dim] + [groups, block] + shape[dim + 1 :])
-    v = v.movedim(0, dim + 1)
-    return v.reshape(shape[:dim] + [groups * n * block] + shape[dim + 1 :])
+def unblocks(stacked: torch.Tensor, p: Shard) -> torch.Tensor:
+    """Inverse of `blocks`: (n, ..., local size, ...) -> the whole dim, every part's blocks in rank order."""
+    dim, n, shape = p.dim, stacked.shape[0], list(stacked.shape[1:])
+    pieces = stacked.split(list(part_sizes(p, shape[dim])), dim + 1)
+    whole = [
+        piece.movedim(0, dim).reshape(shape[:dim] + [n * piece.shape[dim + 1]] + shape[dim + 1 :]) for piece in pieces
+    ]
+    return whole[0] if len(whole) == 1 else torch.cat(whole, dim)
 
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
@@ -95,7 +98,7 @@ def all_gather(x: torch.Tensor, p: Shard, group, n: int, size: int | None = None
     x = x.contiguous()
     flat = torch.empty(_flat0((n,) + tuple(x.shape)) if x.dim() else (n,), dtype=x.dtype, device=x.device)
     _all_gather_single(flat, x if x.dim() else x.reshape(1), group=group)
-    return unblocks(flat.reshape((n,) + tuple(x.shape)), p.dim, p.groups)
+    return unblocks(flat.reshape((n,) + tuple(x.shape)), p)
 
 
 def reduce_scatter(x: torch.Tensor, p: Shard, group, n: int, rank: int = 0) -> torch.Tensor:
@@ -103,7 +106,7 @@ def reduce_scatter(x: torch.Tensor, p: Shard, group, n: int, rank: int = 0) -> t
     if _ragged(p, n, size):
         out = reduce_scatter(pad_to(x, p.dim, padded(size, n)), p, group, n)
         return out.narrow(p.dim, 0, chunk_rows(size, n, rank)[1])
-    stacked = blocks(x, p.dim, p.groups, n).contiguous()
+    stacked = blocks(x, p, n).contiguous()
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, stacked.reshape(_flat0(stacked.shape)), group=group)
     return out
@@ -118,7 +121,7 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 def local_slice(x: torch.Tensor, p: Shard, rank: int, n: int) -> torch.Tensor:
     if _ragged(p, n, x.shape[p.dim]):
         return x.narrow(p.dim, *chunk_rows(x.shape[p.dim], n, rank)).contiguous()
-    return blocks(x, p.dim, p.groups, n)[rank].contiguous()
+    return blocks(x, p, n)[rank].contiguous()
 
 
 def local_pad(x: torch.Tensor, p: Shard, rank: int, n: int, size: int | None = None) -> torch.Tensor:
@@ -131,7 +134,7 @@ def local_pad(x: torch.Tensor, p: Shard, rank: int, n: int, size: int | None = N
         return out
     stacked = x.new_zeros((n,) + tuple(x.shape))
     stacked[rank] = x
-    return unblocks(stacked, p.dim, p.groups)
+    return unblocks(stacked, p)
 
 
 def all_to_all(x: torch.Tensor, src: Shard, dst: Shard, group, n: int, size: int | None = None, rank: int = 0):
@@ -142,15 +145,15 @@ def all_to_all(x: torch.Tensor, src: Shard, dst: Shard, group, n: int, size: int
         x = pad_to(pad_to(x, dst.dim, padded(whole, n)), src.dim, -(-size // n))
         out = all_to_all(x, src, dst, group, n)
         return out.narrow(src.dim, 0, size).narrow(dst.dim, 0, chunk_rows(whole, n, rank)[1])
-    parts = blocks(x, dst.dim, dst.groups, n).contiguous()
+    parts = blocks(x, dst, n).contiguous()
     out = torch.empty_like(parts)
     dist.all_to_all_single(out, parts, group=group)
-    return unblocks(out, src.dim, src.groups)
+    return unblocks(out, src)
 
 
 def _ragged(p: Shard, n: int, size: int | None) -> bool:
     """A plain shard of a dim of `size` that does not divide over `n` ranks."""
-    return size is not None and p.groups == 1 and size % n != 0
+    return size is not None and p.plain and size % n != 0
 
 
 def pad_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -84,12 +84,18 @@ class DCPWeights:
         if any(k.startswith("model.") for k in self.shapes):  # meshlib's layout: the rest is the optimizer's
             self.shapes = {k: s for k, s in self.shapes.items() if k.startswith("model.")}
 
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Read every tensor (key -> this rank's DTensor or tensor) in place (a collective)."""
+    def load(self, tensors: dict[str, torch.Tensor], orders: dict | None = None) -> None:
+        """Read every tensor (key -> this rank's DTensor or tensor) in place (a collective). A DTensor is read
+        as the boxes of the model's indices it holds, as `checkpoint` saves it (`orders`, by key: the
+        rank order of one held in unequal parts); DCP's own reading of a strided shard takes wrong rows."""
         import torch.distributed.checkpoint as dcp
 
+        from .checkpoint import checkpointable
+
+        orders = orders or {}
+        views = {key: checkpointable(t, orders.get(key)) for key, t in tensors.items()}
         planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(self.path), planner=planner)
+        dcp.load(views, storage_reader=dcp.FileSystemReader(self.path), planner=planner)
 
 
 def open_weights(path) -> SafetensorsWeights | DCPWeights:
@@ -228,7 +234,7 @@ def export(par, path, *, config=None, max_shard_size: int = 5 * 2**30) -> None:
         for n in group:
             weight_map[n] = name
             if n in params:
-                whole = _whole(params[n])  # a collective over the ranks that hold it
+                whole = par.whole(n, params[n])  # a collective over the ranks that hold it
                 if dist.get_rank() == writer:
                     held[n] = whole.detach().to("cpu").contiguous()
         if dist.get_rank() == writer:
@@ -240,10 +246,6 @@ def export(par, path, *, config=None, max_shard_size: int = 5 * 2**30) -> None:
         if config is not None:
             config.save_pretrained(path)
     dist.barrier()
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _writers(names: list[str], mine: set[str]) -> dict[str, int]:

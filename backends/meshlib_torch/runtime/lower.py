@@ -69,7 +69,8 @@ def lower(compiled, dm, model: nn.Module, source: weights.Source) -> Lowered:
     for name, b in real.items():
         buffers[name] = b.to(device, dtype=compute if b.is_floating_point() else b.dtype)
         set_attr(root, name, buffers[name])
-    source.finish({n: p for n, p in root.named_parameters()}, buffers)
+    orders = {n: compiled.param_rank_order(n) for n in mine}
+    source.finish({n: p for n, p in root.named_parameters()}, buffers, {n: o for n, o in orders.items() if o})
     bind_collectives(root, compiled, {a: mdist.group(dm, a) for a in compiled.mesh.axis_names}, coords)
     if compiled.stages is not None:
         graphs = [compiled.stages.graphs[s] for s in local]

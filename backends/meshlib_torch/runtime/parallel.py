@@ -23,6 +23,7 @@ from ..compiler import placements as pl
 from ..compiler.call import batch_call
 from . import dist as mdist
 from .comm import local_slice
+from .dtensor import gather_whole
 from .optim import LossScaler, MeshOptimizer
 from .parallelisms.zero import set_sync
 
@@ -72,8 +73,18 @@ class Parallel(nn.Module):
         return {_canonical(path, names): v for path, v in by_path.items()}
 
     def named_model_parameters(self) -> dict[str, nn.Parameter]:
-        """This rank's parameters by their FQN in the original model (whatever wraps them here)."""
+        """This rank's parameters by their FQN in the original model (whatever wraps them here). Most are
+        DTensors in their layout; one split in unequal parts over an axis (a fused qkv under grouped-query
+        attention) holds its rows in rank order, which DTensor can describe (see `runtime.dtensor`): read
+        it whole with `whole`, not `full_tensor()`."""
         return self.canonical(dict(self.root.named_parameters()))
+
+    def whole(self, name: str, t: torch.Tensor | None = None) -> torch.Tensor:
+        """Parameter `name` whole, in the model's order, on every rank that holds a part of it (a
+        collective over those ranks); or `t`, a tensor laid out as that parameter (its gradient, fp32
+        master, optimizer state)."""
+        t = self.named_model_parameters()[name] if t is None else t
+        return gather_whole(t, self.compiled.param_rank_order(name))
 
     # -- inputs ---------------------------------------------------------------------------------------
     def shard_input(self, name: str, x: torch.Tensor) -> torch.Tensor:

@@ -91,13 +91,15 @@ class Source:
             return self.files.read(self.keys[name], [torch.arange(n) for n in p.shape], p.dtype)
         return full_value(name, p, init=self.init, seed=self.seed)
 
-    def finish(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
-        """Read a DCP checkpoint into this rank's parameters and buffers (one collective); else nothing."""
+    def finish(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], orders=None) -> None:
+        """Read a DCP checkpoint into this rank's parameters and buffers (one collective); else nothing.
+        `orders`: the parameters held in unequal parts, each with its rank order (`runtime.dtensor`)."""
         if self.kind == "file" and self.files.kind == "dcp":
             tensors = {self.keys[n]: p for n, p in params.items()}
             tensors |= {self.buffer_keys[n]: b for n, b in buffers.items() if n in self.buffer_keys}
+            by_key = {self.keys[n]: order for n, order in (orders or {}).items() if n in params}
             with torch.no_grad():
-                self.files.load(tensors)
+                self.files.load(tensors, by_key)
 
     def buffer(self, name: str) -> torch.Tensor | None:
         """A buffer's value from a safetensors checkpoint, if it has one (DCP's: `finish`)."""

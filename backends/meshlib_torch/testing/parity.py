@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from meshlib import Mesh, Precision
 
@@ -175,9 +174,9 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
             bar.step(step, losses[-1], norms[-1])
     if run.export:
         export(par, run.export)
-    mine = {n: _full(p) for n, p in par.named_model_parameters().items()}
+    mine = {n: par.whole(n, p).detach().clone() for n, p in par.named_model_parameters().items()}
     if opt.master:  # the fp32 masters are the parameters' true values
-        mine.update({n: _full(m) for n, m in opt.master.items() if n in mine})
+        mine.update({n: par.whole(n, m).detach().clone() for n, m in opt.master.items() if n in mine})
     everyone = [None] * torch.distributed.get_world_size()  # pipeline ranks hold different stages
     torch.distributed.all_gather_object(everyone, mine)
     params = {}
@@ -205,10 +204,6 @@ def build_parallel(run: RunConfig):
 def batch_of(run: RunConfig, step: int) -> tuple:
     """The global batch of `step`."""
     return data.batch(step, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed)
-
-
-def _full(p) -> torch.Tensor:
-    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
 
 
 def _fqn(name: str) -> str:

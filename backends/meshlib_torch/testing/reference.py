@@ -81,15 +81,17 @@ class _Recording:
     """An optimizer that notes the whole gradients the first time it steps (a pipeline steps inside
     `train_step`, after its gradients are summed)."""
 
-    def __init__(self, opt, params):
-        self.opt, self.params, self.grads = opt, params, None
+    def __init__(self, opt, params, whole):
+        self.opt, self.params, self.whole, self.grads = opt, params, whole, None
 
     def __getattr__(self, name):
         return getattr(self.opt, name)
 
     def step(self):
         if self.grads is None:
-            self.grads = {n: _whole(self._summed(p.grad)) for n, p in self.params().items() if p.grad is not None}
+            self.grads = {
+                n: _whole(self.whole, n, self._summed(p.grad)) for n, p in self.params().items() if p.grad is not None
+            }
         return self.opt.step()
 
     def _summed(self, grad: torch.Tensor) -> torch.Tensor:
@@ -117,7 +119,7 @@ def run_parallel(trial: Trial) -> Trace:
     from ..runtime.comm import COUNTER
 
     par = parallelize_trial(trial)
-    opt = _Recording(trial.make_optimizer(par.optimizer), par.named_model_parameters)
+    opt = _Recording(trial.make_optimizer(par.optimizer), par.named_model_parameters, par.whole)
     sched = trial.scheduler(opt.opt) if trial.scheduler else None
     losses, comm = [], None
     for step in range(trial.steps):
@@ -126,15 +128,16 @@ def run_parallel(trial: Trial) -> Trace:
         comm = COUNTER.snapshot()
         if sched is not None:
             sched.step()
-    mine = {n: _whole(p) for n, p in par.named_model_parameters().items()}
+    mine = {n: _whole(par.whole, n, p) for n, p in par.named_model_parameters().items()}
     if getattr(opt.opt, "master", None):  # fp32 masters are the parameters' true values
-        mine.update({n: _whole(m) for n, m in opt.opt.master.items() if n in mine})
+        mine.update({n: _whole(par.whole, n, m) for n, m in opt.opt.master.items() if n in mine})
     grads, params = _from_every_rank(opt.grads), _from_every_rank(mine)
     return Trace(losses, grads, params, par.plan, comm)
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+def _whole(whole, name: str, t: torch.Tensor) -> torch.Tensor:
+    """`Parallel.whole`: gathered by DTensor, rows held in rank order put back in the model's order."""
+    return whole(name, t).detach().clone()
 
 
 def _from_every_rank(part: dict) -> dict:

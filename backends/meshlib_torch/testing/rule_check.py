@@ -122,7 +122,7 @@ def _join(parts: list[torch.Tensor], p) -> torch.Tensor:
     if isinstance(p, Shard) and len({t.shape for t in parts}) > 1:
         return torch.cat(parts, p.dim)  # uneven pieces: plain shards, in rank order
     if isinstance(p, Shard):
-        return unblocks(torch.stack(parts), p.dim, p.groups)
+        return unblocks(torch.stack(parts), p)
     if isinstance(p, Partial):
         return torch.stack(parts).sum(0)
     for other in parts[1:]:
