@@ -106,7 +106,8 @@ def test_a_fused_qkv_of_unequal_parts_trains_as_the_single_process(name, mesh):
 
 @pytest.mark.parametrize("name", ["gemma", "phi3"])
 def test_sequence_parallel_pattern(name):
-    """Each all-reduce becomes a reduce-scatter and an all-gather of b*s*h; the norms' weights (whole on
+    """Each all-reduce becomes a reduce-scatter and an all-gather of b*s*h; each value gathered in forward
+    is kept as its shard and gathered again in backward, as Megatron does; the norms' weights (whole on
     every tp rank) sum their gradients over tp (h fp32 values each, 2 per layer and the final norm)."""
     build, rules, batch, loss = rm.MODELS[name]
     m = ml.Mesh.parse("tp=2")
@@ -114,6 +115,7 @@ def test_sequence_parallel_pattern(name):
     bsh, bs = rm.BATCH * rm.SEQ * HIDDEN * FP32, rm.BATCH * rm.SEQ * FP32
     each_way = [("reduce_scatter", bsh)] * (2 * LAYERS + 1) + [("all_gather", bsh)] * (2 * LAYERS + 1)
     want = [("forward", k, b) for k, b in each_way] + [("backward", k, b) for k, b in each_way]
+    want += [("backward", "all_gather", bsh)] * (2 * LAYERS + 1)
     want += [("forward", "all_reduce", bs), ("forward", "all_reduce", 2 * bs)]
     want += [("backward", "all_reduce", HIDDEN * FP32)] * (2 * LAYERS + 1)
     assert _on_tp(plan) == sorted(want)

@@ -79,3 +79,21 @@ def test_transformers_llama_on_every_schedule(schedule):
 
 def test_transformers_llama_with_dp_zero1_and_block_recompute():
     _hf("dp=2,pp=2,tp=2", zero=1, recompute="block", schedule="1f1b")
+
+
+def test_stage_boundaries_send_the_bf16_sequence_shard():
+    """Under bf16 compute with sequence parallelism a stage sends the residual stream's sequence shard
+    in bf16: b * s/t * h * 2 bytes per microbatch (the compiler's collectives carry the dtype they run
+    in, so the boundary and the next stage's input are bf16, not the trace's fp32)."""
+    import torch as _torch
+
+    from meshlib_torch import compile_model, models
+
+    cfg, mesh = models.config("llama-tiny", n_layers=4), Mesh(pp=2, tp=2)
+    example = tuple(_torch.empty(8, 32, dtype=_torch.long, device="meta") for _ in range(2))
+    plan = compile_model(
+        models.build(cfg, device="meta"), mesh=mesh, rules=models.default_rules(cfg, mesh), example_inputs=example,
+        sequence_parallel=True, precision="bf16", microbatches=4,
+    ).plan  # fmt: skip
+    sends = [b for stage in plan.stages for b in stage.sends if b.grad]
+    assert sends and all(b.dtype == "bfloat16" and b.bytes == 2 * (32 // 2) * cfg.dim * 2 for b in sends)
