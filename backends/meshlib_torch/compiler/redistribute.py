@@ -201,11 +201,12 @@ def collective_records(specs: list[CommSpec], axes: Axes, remat=None) -> list[di
     out = []
     for spec in specs:
         itemsize = torch.empty((), dtype=spec.dtype).element_size()
-        again = [("recompute", RERUN)] if remat is not None and spec.name in remat.rerun else []
-        again += [("backward", REGATHER)] if remat is not None and spec.name in remat.regather else []
-        for phase, step_phase, why in [("forward", "forward", ""), ("backward", "backward", "")] + [
-            (p, "forward", w) for p, w in again
-        ]:
+        passes = [("forward", "forward", ""), ("backward", "backward", "")]  # (phase, the steps it runs, why)
+        if remat is not None and spec.name in remat.rerun:
+            passes.append(("recompute", "forward", RERUN))
+        if remat is not None and spec.name in remat.regather:
+            passes.append(("backward", "forward", REGATHER))
+        for phase, step_phase, why in passes:
             for k, axis, a, b in spec.steps(axes, step_phase):
                 lay = spec.src if step_phase == "forward" else spec.grad_dst
                 n = dict(zip(axes.names, axes.sizes))[axis]

@@ -13,8 +13,10 @@ as the value they view). From that:
 - `regather`: the all-gathers whose output a node outside a recomputed layer
   saves: that node keeps the shard, and backward gathers it again
   (`remat.keeping_shards`);
-- `stored`: the bytes each part (pre, layer i, post) keeps for backward
-  without recompute, by the node that made them, for the plan's memory notes.
+- `kept_layers`: what each layer keeps for backward as the plan's recompute
+  mode runs it (a second dry forward, each layer's live bytes after it less
+  before), and what it saves without recompute value by value: the plan's
+  `Kept`, which the memory tables print.
 """
 
 from __future__ import annotations
@@ -38,11 +40,6 @@ class Census:
     order: dict[str, int] = field(default_factory=dict)  # node -> position in the graph
     inner: set[int] = field(default_factory=set)  # storages an op made for itself (not its output)
     outputs: dict[str, int] = field(default_factory=dict)  # node -> the storage of its (first) output
-
-    def saved_by(self, names) -> dict[int, int]:
-        """The storages the nodes in `names` save, with their bytes (each once)."""
-        keys = {k for n in names for k in self.packs.get(n, ())}
-        return {k: self.nbytes[k] for k in keys}
 
 
 def _key(t: torch.Tensor) -> int:

@@ -3,7 +3,8 @@
 The blocks are the children of the model's longest `nn.ModuleList` (a
 transformer's layers). Each node belongs to the block in its
 `nn_module_stack`; nodes the compiler added (collectives, `to_local`, the
-rank-dependent ops) belong to their first consumer's block. Nodes before the
+rank-dependent ops) belong to their first consumer's block, but a collective
+that shrinks its value (a reduce-scatter) belongs to its producer's. Nodes before the
 first block form "pre" (embeddings), nodes after the last form "post" (the
 final norm, the head, the loss). `split_graph` turns that into one submodule
 per part, called in order by a small top-level graph: the unit that FSDP
