@@ -124,6 +124,7 @@ def _move_parameters_into_parts(top: fx.GraphModule) -> None:
     Move each one used by a single part into that part (same dotted name), so that the part owns
     it: FSDP2 shards per part, and recompute sees it as the part's own."""
     graph = top.graph
+    changed = {}
     for node in list(graph.nodes):
         if node.op != "get_attr" or not isinstance(resolve(top, node.target), nn.Parameter):
             continue
@@ -140,10 +141,12 @@ def _move_parameters_into_parts(top: fx.GraphModule) -> None:
         attr.meta = dict(holder.meta)
         holder.replace_all_uses_with(attr)
         part.graph.erase_node(holder)
-        part.recompile()
+        changed[call.target] = part
         call.args = tuple(a for j, a in enumerate(call.args) if j != i)
         graph.erase_node(node)
         _del_attr(top, node.target)
+    for part in changed.values():  # once per part: generating a part's code is the slow step
+        part.recompile()
     graph.lint()
 
 
