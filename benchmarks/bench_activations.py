@@ -24,7 +24,7 @@ from machine import describe
 
 from meshlib import Mesh
 from meshlib_torch import compile_model, models
-from meshlib_torch.compiler import dryrun
+from meshlib_torch.compiler.estimates import dryrun
 
 P, T, M, BATCH, SEQ = 16, 8, 16, 2048, 8192
 GIB = 1024**3

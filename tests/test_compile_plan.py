@@ -14,7 +14,7 @@ import torch
 
 from meshlib import Mesh, P, pattern_rules
 from meshlib_torch import compile_model
-from meshlib_torch.compiler.placements import Shard
+from meshlib_torch.compiler.placement.placements import Shard
 from meshlib_torch.models import build, config, default_rules
 
 B, T = 4, 16

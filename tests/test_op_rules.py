@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshlib_torch.compiler.ops import RULES
-from meshlib_torch.compiler.placements import PARTIAL, R, Shard, part_sizes, parts_divide
-from meshlib_torch.compiler.shapes import chunk_fits
+from meshlib_torch.compiler.placement.ops import RULES
+from meshlib_torch.compiler.placement.placements import PARTIAL, R, Shard, part_sizes, parts_divide
+from meshlib_torch.compiler.placement.shapes import chunk_fits
 from meshlib_torch.testing.rule_check import In, OpCase, check, kind, strategies, tensor_order
 
 aten = torch.ops.aten

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshlib_torch.compiler.placements import Shard, part_sizes
-from meshlib_torch.compiler.shapes import local_shape, rank_order, shard_indices
+from meshlib_torch.compiler.placement.placements import Shard, part_sizes
+from meshlib_torch.compiler.placement.shapes import local_shape, rank_order, shard_indices
 from meshlib_torch.runtime import comm
 from meshlib_torch.runtime.dtensor import model_order
 from meshlib_torch.testing.pool import get_pool

@@ -21,8 +21,8 @@ import torch
 
 from meshlib import Mesh
 from meshlib_torch import COUNTER, compile_model, parallelize
-from meshlib_torch.compiler.call import bind_call
-from meshlib_torch.compiler.trace import Untraceable, trace
+from meshlib_torch.compiler.capture.call import bind_call
+from meshlib_torch.compiler.capture.trace import Untraceable, trace
 from meshlib_torch.models import config, default_rules
 from meshlib_torch.models.llama import Llama
 from meshlib_torch.runtime import dist as mdist

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 
 import meshlib as ml
 from meshlib_torch import compile_model
-from meshlib_torch.compiler.localize import padding_row
-from meshlib_torch.compiler.placements import chunk_rows
-from meshlib_torch.compiler.special import VocabEmbedding
+from meshlib_torch.compiler.placement.localize import padding_row
+from meshlib_torch.compiler.placement.placements import chunk_rows
+from meshlib_torch.modules.special import VocabEmbedding
 from meshlib_torch.testing.pool import get_pool
 from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
 
@@ -175,7 +175,7 @@ def test_vocab_parallel_embedding_zeroes_only_the_padding_rows_gradient(vocab, w
 
 def test_padding_idx_is_read_as_torch_reads_it():
     """F.embedding counts a negative padding_idx from the end; ATen's embedding takes -1 for none."""
-    from meshlib_torch.compiler.bind import aten
+    from meshlib_torch.compiler.placement.bind import aten
 
     class View:
         def __init__(self, pad, target):

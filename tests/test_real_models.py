@@ -25,7 +25,7 @@ import torch
 
 import meshlib as ml
 from meshlib_torch import compile_model, parallelize
-from meshlib_torch.compiler.call import batch_call, pick_loss
+from meshlib_torch.compiler.capture.call import batch_call, pick_loss
 from meshlib_torch.testing.pool import RankError, get_pool
 from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
 

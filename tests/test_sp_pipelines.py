@@ -14,7 +14,7 @@ import real_models as rm
 import torch
 
 from meshlib import Mesh
-from meshlib_torch.compiler.call import batch_call, pick_loss
+from meshlib_torch.compiler.capture.call import batch_call, pick_loss
 from meshlib_torch.testing.parity import RunConfig, compare, train_parallel, train_reference
 from meshlib_torch.testing.pool import get_pool
 from meshlib_torch.testing.reference import Trial, run_parallel

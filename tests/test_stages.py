@@ -19,9 +19,9 @@ from torch import nn
 
 from meshlib import Mesh, min_max_partition
 from meshlib_torch import compile_model
-from meshlib_torch.compiler.call import bind_call
-from meshlib_torch.compiler.costs import LayerCosts, layer_costs, stage_ranges
-from meshlib_torch.compiler.split import layer_paths
+from meshlib_torch.compiler.capture.blocks import layer_paths
+from meshlib_torch.compiler.capture.call import bind_call
+from meshlib_torch.compiler.pipeline.costs import LayerCosts, layer_costs, stage_ranges
 from meshlib_torch.models import build, config, default_rules
 
 

@@ -17,13 +17,13 @@ from meshlib import Mesh, P, Precision
 from meshlib.cost import zero_level
 from meshlib.sharding import UNEVEN_POLICIES
 
-from .call import Call, LossSpec, bind_call
+from .capture.call import Call, LossSpec, bind_call
+from .estimates.records import step_collectives
 from .graph import compile_graph
-from .pipeline import compile_pipeline
-from .placements import Shard
+from .pipeline.compile import compile_pipeline
+from .placement.placements import Shard
+from .placement.shapes import ragged_dims
 from .program import Compiled, Options, check_recompute, input_layouts
-from .records import step_collectives
-from .shapes import ragged_dims
 
 
 def compile_model(

@@ -18,22 +18,22 @@ import torch
 
 from meshlib import Mesh
 
-from . import annotate as _annotate
-from .call import Call
-from .dryrun import dry_peak, local_input
-from .localize import fold_scalars, localize
-from .moe import check_not_moe
-from .placements import Shard
+from ..modules.recompute import Remat, gathers
+from .capture.blocks import layer_paths, partition
+from .capture.call import Call
+from .capture.moe import check_not_moe
+from .capture.trace import trace
+from .capture.values import annotate_run_dtypes
+from .estimates.dryrun import dry_peak, local_input
+from .estimates.records import plan_of, with_data_parallel
+from .estimates.saved import Census, census, kept_layers, remat_notes, remat_of
+from .placement import annotate as _annotate
+from .placement.localize import fold_scalars, localize
+from .placement.placements import Shard
+from .placement.propagate import Axes, propagate
+from .placement.redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
+from .placement.shapes import ragged_dims
 from .program import Compiled, Options, check_zero, data_axes, input_layouts, model_state
-from .propagate import Axes, propagate
-from .records import plan_of, with_data_parallel
-from .redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
-from .remat import Remat, gathers
-from .saved import Census, census, kept_layers, remat_notes, remat_of
-from .shapes import ragged_dims
-from .split import layer_paths, partition
-from .trace import trace
-from .values import annotate_run_dtypes
 
 
 @contextlib.contextmanager

@@ -18,14 +18,14 @@ import torch.fx as fx
 from meshlib import Memory, Mesh, NamedSharding, P, Plan, Precision
 from meshlib.cost import fsdp2_memory, zero_memory
 
-from .annotate import check_single_axis_uneven, spec_to_layout
-from .localize import SpecialSpec
-from .placements import Layout, Shard, zero1_split
-from .propagate import Axes, NodePlan
-from .redistribute import CommSpec
-from .remat import Remat
-from .shapes import local_shape, ragged_dims, rank_order, shard_indices
-from .trace import Traced
+from ..modules.recompute import Remat
+from .capture.trace import Traced
+from .placement.annotate import check_single_axis_uneven, spec_to_layout
+from .placement.localize import SpecialSpec
+from .placement.placements import Layout, Shard, zero1_split
+from .placement.propagate import Axes, NodePlan
+from .placement.redistribute import CommSpec
+from .placement.shapes import local_shape, ragged_dims, rank_order, shard_indices
 
 RECOMPUTE = ("none", "block", "selective")
 

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compiler.placements import Partial, Replicate, Shard, chunk_rows, natural_grad, part_sizes
-from ..compiler.placements import kind as pl_kind
-from ..compiler.redistribute import CommSpec
-from ..compiler.remat import comm_forward, gathers, kept, note_gathered
-from ..compiler.shapes import padded
+from ..compiler.placement.placements import Partial, Replicate, Shard, chunk_rows, natural_grad, part_sizes
+from ..compiler.placement.placements import kind as pl_kind
+from ..compiler.placement.redistribute import CommSpec
+from ..compiler.placement.shapes import padded
+from ..modules.recompute import comm_forward, gathers, kept, note_gathered
 
 
 @dataclass
@@ -269,7 +269,7 @@ class _CommFn(torch.autograd.Function):
 
 
 def reducer(groups: dict, counter: CommCounter = COUNTER):
-    """The `reduce` of the rank-dependent ops (`compiler.special`): an all-reduce over the named axis's
+    """The `reduce` of the rank-dependent ops (`modules.special`): an all-reduce over the named axis's
     process group, counted."""
 
     def reduce(x: torch.Tensor, op: str, axis: str, wait: bool = True):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..compiler import placements as pl
+from ..compiler.placement import placements as pl
 from ..torch_private import StridedShard
 
 

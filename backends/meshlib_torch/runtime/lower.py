@@ -20,10 +20,10 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..compiler.modules import has_attr, resolve, set_attr
+from ..compiler.attrs import has_attr, resolve, set_attr
+from ..compiler.capture.blocks import split_graph
+from ..compiler.capture.regions import apply_regions
 from ..compiler.program import deferred_loss
-from ..compiler.regions import apply_regions
-from ..compiler.split import split_graph
 from ..torch_private import copy_codegen
 from . import dist as mdist
 from . import weights

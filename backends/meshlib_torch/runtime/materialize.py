@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..compiler.placements import Layout
-from ..compiler.shapes import shard_indices
+from ..compiler.placement.placements import Layout
+from ..compiler.placement.shapes import shard_indices
 
 InitSpec = Callable[[str], tuple[str, float]]  # name -> ("normal", std) | ("zeros", 0) | ("ones", 0)
 _BLOCK = 1 << 20  # elements drawn at a time

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..compiler import placements as pl
-from ..compiler.shapes import padded, ragged_dims
+from ..compiler.placement import placements as pl
+from ..compiler.placement.shapes import padded, ragged_dims
 from .comm import COUNTER, CommCounter, all_gather, pad_to, reduce_scatter
 from .dtensor import torch_placements
 

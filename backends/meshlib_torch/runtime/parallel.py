@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compiler import placements as pl
-from ..compiler.call import batch_call
+from ..compiler.capture.call import batch_call
+from ..compiler.placement import placements as pl
 from . import dist as mdist
 from .comm import local_slice
 from .dtensor import gather_whole

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compiler.placements import Layout
-from ..compiler.shapes import local_shape, shard_indices
+from ..compiler.placement.placements import Layout
+from ..compiler.placement.shapes import local_shape, shard_indices
 from .materialize import init_full, init_local
 
 _CHUNK = 1 << 20  # elements checksummed at a time

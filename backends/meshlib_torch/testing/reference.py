@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from meshlib import Mesh, P, pattern_rules
 
-from ..compiler.call import batch_call, pick_loss
+from ..compiler.capture.call import batch_call, pick_loss
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.1
 

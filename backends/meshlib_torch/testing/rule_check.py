@@ -1,7 +1,7 @@
 """Every op rule checked against the op itself, on simulated ranks (as DTensor's strategy validation does).
 
 An `OpCase` is one op called on whole example inputs. `strategies(case, cur, n)`
-lists what the op's rule (`compiler/ops.py`) offers when its tensor inputs have
+lists what the op's rule (`compiler/placement/ops.py`) offers when its tensor inputs have
 the placements `cur` on one mesh axis of `n` ranks (every output shard tried
 as a hint too). `check(case, strategy, n)` then runs the op the way the
 compiler localizes it (`localize`: local shapes, rescaled means, the
@@ -25,13 +25,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..compiler.bind import bind
-from ..compiler.localize import localize
-from ..compiler.ops import RULES, Strategy
-from ..compiler.placements import Partial, Replicate, Shard
-from ..compiler.propagate import Axes, NodePlan, fits
-from ..compiler.special import special_module
-from ..compiler.values import annotate_values
+from ..compiler.capture.values import annotate_values
+from ..compiler.placement.bind import bind
+from ..compiler.placement.localize import localize
+from ..compiler.placement.ops import RULES, Strategy
+from ..compiler.placement.placements import Partial, Replicate, Shard
+from ..compiler.placement.propagate import Axes, NodePlan, fits
+from ..modules.special import special_module
 from ..runtime.comm import local_slice, unblocks
 
 AXIS = "x"
@@ -64,7 +64,7 @@ def _graph(case: OpCase) -> tuple[fx.GraphModule, fx.Node]:
         node = g.call_function(case.target, args, kwargs)
     g.output(node)
     gm = fx.GraphModule(nn.Module(), g)
-    from ..compiler.call import Call
+    from ..compiler.capture.call import Call
 
     annotate_values(gm, Call({f"in{i}": x for i, x in enumerate(case.inputs)}))
     return gm, node

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ...compiler.placements import Shard
+from ...compiler.placement.placements import Shard
 from ...compiler.program import deferred_loss
 from .. import dist as mdist
 from ..comm import COUNTER, CommCounter, local_slice
@@ -138,7 +138,7 @@ def _apply(steps, x: torch.Tensor) -> torch.Tensor:
 
 def target_counts(par) -> list[TargetCounts]:
     """One `TargetCounts` per loss of this rank that can count its targets from the batch."""
-    from ...compiler.special import CrossEntropy
+    from ...modules.special import CrossEntropy
 
     compiled = par.compiled
     out = []

@@ -28,7 +28,7 @@ from torch.distributed.pipelining import (
 
 from meshlib import schedule as core_schedule
 
-from ...compiler.stages import boundary_values, param_holders
+from ...compiler.pipeline.stages import boundary_values, param_holders
 from ...torch_private import runtime_schedule
 from .. import dist as mdist
 from ..comm import COUNTER

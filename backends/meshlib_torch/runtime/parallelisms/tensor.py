@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...compiler.special import special_module
+from ...modules.special import special_module
 from ..comm import Comm, reducer
 
 

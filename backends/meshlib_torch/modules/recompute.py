@@ -126,7 +126,7 @@ def kept(spec, mode: str) -> bool:
 def gathers(spec) -> bool:
     """A collective that only gathers (an all-gather on every axis that changes): its input is a shard
     of its output, which can be gathered again where backward needs it."""
-    from .placements import Shard, kind
+    from ..compiler.placement.placements import Shard, kind
 
     steps = [kind(a, b) for a, b in zip(spec.src, spec.dst)]
     return any(steps) and all(k in (None, "all_gather") for k in steps) and all(

@@ -1,4 +1,4 @@
-"""Pass 4, redistribute: insert exactly the collectives the chosen layouts need.
+"""Redistribute: insert exactly the collectives the chosen layouts need.
 
 Where a value's layout differs from what a consumer needs, one `comm` node
 changes it; consumers that need the same layout share it. Each comm node also
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..capture.source import source_line
+from ..capture.values import run_dtype
 from .placements import PARTIAL, Layout, Pending, R, Replicate, Shard, bus_bytes, kind, natural_grad
 from .propagate import Axes, NodePlan
 from .shapes import padded
-from .source import source_line
-from .values import run_dtype
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ REGATHER, RERUN = "again in backward: a saver keeps the shard", "again: the reco
 
 def collective_records(specs: list[CommSpec], axes: Axes, remat=None) -> list[dict]:
     """Per-step collectives with bytes per rank (payload: the value on one rank with that axis whole).
-    `remat` (a `remat.Remat`): the forward again under "recompute" for those a recomputed layer
+    `remat` (a `modules.recompute.Remat`): the forward again under "recompute" for those a recomputed layer
     re-runs, and in backward for the all-gathers whose output backward gathers again."""
     out = []
     for spec in specs:

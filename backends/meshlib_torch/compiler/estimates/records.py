@@ -1,4 +1,4 @@
-"""Pass 6, records: the plan's collectives, with the bytes each moves per rank and where it comes from.
+"""Records: the plan's collectives, with the bytes each moves per rank and where it comes from.
 
 Three sources: the collectives `redistribute` inserted, those inside the
 rank-dependent ops (the vocab-parallel loss's all-reduces), and the gradient
@@ -18,15 +18,15 @@ import torch
 
 from meshlib import Collective, Plan
 
-from ..torch_private import OpOverload
-from .localize import SpecialSpec
-from .placements import zero1_split
-from .program import Options, deferred_loss, fsdp_whole
-from .propagate import Axes
-from .redistribute import collective_records
-from .shapes import local_shape, ragged_dims
-from .source import source_line
-from .trace import Traced
+from ...torch_private import OpOverload
+from ..capture.source import source_line
+from ..capture.trace import Traced
+from ..placement.localize import SpecialSpec
+from ..placement.placements import zero1_split
+from ..placement.propagate import Axes
+from ..placement.redistribute import collective_records
+from ..placement.shapes import local_shape, ragged_dims
+from ..program import Options, deferred_loss, fsdp_whole
 
 
 def graph_collectives(

@@ -1,4 +1,4 @@
-"""Pass 7, stages: cut the local graph into pipeline stages over the model's layers.
+"""Stages: cut the local graph into pipeline stages over the model's layers.
 
 The layers are grouped into `p * v` contiguous stages (`costs.stage_ranges`).
 Each stage becomes its own graph. A value made in one stage and used in a
@@ -19,9 +19,9 @@ import torch.fx as fx
 
 from meshlib import Boundary
 
-from .placements import kind
-from .shapes import local_shape
-from .values import run_dtype
+from ..capture.values import run_dtype
+from ..placement.placements import kind
+from ..placement.shapes import local_shape
 
 
 @dataclass
@@ -120,8 +120,8 @@ def _send_shards(graph: fx.Graph, where: dict[str, int], comms: list) -> dict[st
     turn the shard back into a partial sum locally (its block in place, zeros around it) for the
     value's other users. The sum over ranks is the same value. Returns the moved collectives'
     output layouts (for the boundary's local shape)."""
-    from .placements import Partial, Shard, natural_grad
-    from .redistribute import CommSpec
+    from ..placement.placements import Partial, Shard, natural_grad
+    from ..placement.redistribute import CommSpec
 
     specs = {c.name: c for c in comms}
     moved: dict[str, tuple] = {}

@@ -1,4 +1,4 @@
-"""Pass 1, trace: an `nn.Module` to an fx graph that takes the call's tensors and returns the loss.
+"""Trace: an `nn.Module` to an fx graph that takes the call's tensors and returns the loss.
 
 torch.fx's symbolic tracer is tried first; where it fails (data-dependent
 control flow, an `assert` on a traced value, keyword inputs that land in
@@ -19,9 +19,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..torch_private import FX_ASSERTS
+from ...torch_private import FX_ASSERTS
+from ..attrs import canonical_params
 from .call import Call, LossChoiceError, describe, pick_loss
-from .modules import canonical_params
 from .normalize import (
     canonicalize_attrs,
     drop_device_moves,

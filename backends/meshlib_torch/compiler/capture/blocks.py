@@ -1,4 +1,4 @@
-"""Pass 6, split: cut the local graph into the model's blocks, by module FQN.
+"""Blocks: cut the local graph into the model's blocks, by module FQN.
 
 The blocks are the children of the model's longest `nn.ModuleList` (a
 transformer's layers). Each node belongs to the block in its
@@ -8,7 +8,7 @@ that shrinks its value (a reduce-scatter) belongs to its producer's. Nodes befor
 first block form "pre" (embeddings), nodes after the last form "post" (the
 final norm, the head, the loss). `split_graph` turns that into one submodule
 per part, called in order by a small top-level graph: the unit that FSDP
-shards and recompute wraps (`remat.Recompute`).
+shards and recompute wraps (`modules.recompute.Recompute`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
-from .modules import resolve, set_attr
-from .placements import Shard
+from ..attrs import resolve, set_attr
+from ..placement.placements import Shard
 
 
 def layer_paths(model: nn.Module) -> list[str]:

@@ -1,4 +1,4 @@
-"""Pass 1b, normalize: one vocabulary for every later pass, whichever tracer made the graph.
+"""Normalize: one vocabulary for every later pass, whichever tracer made the graph.
 
 - leaf modules (Linear, Embedding, LayerNorm, RMSNorm, activations, Dropout)
   become functional calls on `get_attr` parameters;
@@ -24,7 +24,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from .modules import has_attr, resolve, set_attr
+from ..attrs import has_attr, resolve, set_attr
 
 
 def _get_attr(graph: fx.Graph, node: fx.Node, prefix: str, name: str) -> fx.Node | None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .placements import chunk_rows
+from ..compiler.placement.placements import chunk_rows
 
 # in place, over the named mesh axis; with wait=False it may return a handle whose wait() finishes it
 Reduce = Callable[..., object]

@@ -1,4 +1,4 @@
-"""Pass 1c, values: every node's global value (shape, dtype, requires_grad), and its forward FLOPs.
+"""Values: every node's global value (shape, dtype, requires_grad), and its forward FLOPs.
 
 The normalized graph runs once on meta tensors (or fake ones, for a model with
 real weights: the weights are read as fake copies, so the recorded values
@@ -12,7 +12,7 @@ import contextlib
 import torch
 import torch.fx as fx
 
-from ..torch_private import FakeTensorMode
+from ...torch_private import FakeTensorMode
 from .call import Call
 from .regions import run_node_in_region
 

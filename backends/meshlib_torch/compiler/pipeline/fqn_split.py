@@ -1,4 +1,4 @@
-"""Pass 7b, split by module FQN: pipeline stages cut from the eager model, when it cannot be traced.
+"""Split by module FQN: pipeline stages cut from the eager model, when it cannot be traced.
 
 When neither torch.fx nor torch.export can trace a model (`trace.Untraceable`),
 the stages are cut from the model itself. The layers, their cost and the
@@ -41,14 +41,14 @@ from meshlib import Boundary, Collective, Mesh, P, Plan, Precision
 from meshlib.cost import zero_level
 from meshlib.sharding import UNEVEN_FIX
 
-from ..torch_private import pytree
-from . import annotate as _annotate
-from .call import Call, pick_loss
+from ...torch_private import pytree
+from ..attrs import canonical_params
+from ..capture.call import Call, pick_loss
+from ..capture.trace import Untraceable
+from ..placement import annotate as _annotate
+from ..placement.propagate import Axes
+from ..placement.shapes import local_shape
 from .costs import LayerCosts, meta_copy
-from .modules import canonical_params
-from .propagate import Axes
-from .shapes import local_shape
-from .trace import Untraceable
 
 
 @dataclass
@@ -230,7 +230,7 @@ def split_eager(
     """`(compiled, stages)` for an untraceable model: its `EagerStages` and a `Compiled` without a
     graph (what the runtime reads: parameters, layouts, inputs, options, the plan). `call` is the
     model's call on one global microbatch. Pure: every check runs here, before any process group exists."""
-    from .program import data_axes, input_layouts
+    from ..program import data_axes, input_layouts
 
     names = call.names
     try:
@@ -263,9 +263,9 @@ def split_eager(
 
 def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, data, precision, canon, aliases):
     """The `Compiled` of an eager model: every parameter replicated, gradients summed over `data`."""
-    from .program import Compiled, Options, model_state
-    from .records import with_data_parallel
-    from .trace import Traced
+    from ..capture.trace import Traced
+    from ..estimates.records import with_data_parallel
+    from ..program import Compiled, Options, model_state
 
     axes = Axes(mesh.axis_names, mesh.axis_sizes)
     layouts = {n: _annotate.spec_to_layout(P(), mesh) for n in canon}

@@ -1,4 +1,4 @@
-"""Pass 2, annotate: parameter specs from the core's rules, input specs from the user.
+"""Annotate: parameter specs from the core's rules, input specs from the user.
 
 A `P` becomes a layout, one placement per mesh axis. A dim split over several
 axes in mesh order is a nested shard (the first axis major), as DTensor and

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from ..memtrack import PeakTracker
-from .program import Compiled, zero1_pieces
+from ...memtrack import PeakTracker
+from ..program import Compiled, zero1_pieces
 
 
 def step_extra(compiled: Compiled, names=None) -> int:

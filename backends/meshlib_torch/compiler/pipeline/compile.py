@@ -1,4 +1,4 @@
-"""Pass 8, pipeline: one microbatch's program cut into stages, the schedule that runs them, and the plan.
+"""Pipeline: one microbatch's program cut into stages, the schedule that runs them, and the plan.
 
 `compile_pipeline` compiles the graph of one global microbatch, balances its
 layers over `p * v` stages (`costs`), cuts the graph into one graph per stage
@@ -21,16 +21,16 @@ from meshlib import Collective, Memory, Stage
 from meshlib import schedule as core_schedule
 from meshlib.schedules import resolve_schedule
 
-from .call import Call
+from ..capture.blocks import layer_paths
+from ..capture.call import Call
+from ..capture.trace import Untraceable
+from ..estimates.dryrun import stage_peaks
+from ..estimates.records import dp_collectives, graph_collectives
+from ..graph import compile_graph
+from ..program import Compiled, Options, fsdp_whole, model_state
 from .costs import graph_costs, layer_costs, stage_ranges
-from .dryrun import stage_peaks
 from .fqn_split import split_eager
-from .graph import compile_graph
-from .program import Compiled, Options, fsdp_whole, model_state
-from .records import dp_collectives, graph_collectives
-from .split import layer_paths
 from .stages import build_stages, param_holders, rank_params
-from .trace import Untraceable
 
 GATHERED = (
     "each stage's parameters are all-gathered at its first microbatch and kept until the step's last backward "

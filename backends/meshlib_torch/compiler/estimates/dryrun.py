@@ -20,16 +20,16 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..memtrack import PeakTracker
-from ..torch_private import copy_codegen, pipeline_keeps_grad_buffers, stage_backward_input, stage_backward_weight
-from .modules import set_attr
-from .placements import natural_grad
-from .program import Compiled, model_state, zero1_pieces
-from .remat import Recompute, comm_forward, gathers, keeping_shards, kept, note_gathered
-from .shapes import local_shape
-from .special import special_module
-from .split import layer_paths, split_graph
-from .stages import boundary_values, rank_params
+from ...memtrack import PeakTracker
+from ...modules.recompute import Recompute, comm_forward, gathers, keeping_shards, kept, note_gathered
+from ...modules.special import special_module
+from ...torch_private import copy_codegen, pipeline_keeps_grad_buffers, stage_backward_input, stage_backward_weight
+from ..attrs import set_attr
+from ..capture.blocks import layer_paths, split_graph
+from ..pipeline.stages import boundary_values, rank_params
+from ..placement.placements import natural_grad
+from ..placement.shapes import local_shape
+from ..program import Compiled, model_state, zero1_pieces
 from .stepmem import step_extra
 
 

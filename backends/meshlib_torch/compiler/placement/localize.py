@@ -1,4 +1,4 @@
-"""Pass 5, localize: make every node compute on the shard its rank holds.
+"""Localize: make every node compute on the shard its rank holds.
 
 - Shape arithmetic is folded to the global constants it had when traced.
 - Views, expands and splits get the local shapes of their chosen layouts.

@@ -8,11 +8,11 @@ as the value they view). From that:
 
 - `rerun`: the collectives a recomputed layer runs again. torch's checkpoint
   re-runs a layer's forward until the last tensor it saved is back (early
-  stop), so a collective runs again when it is not kept (`remat.kept`) and some
+  stop), so a collective runs again when it is not kept (`modules.recompute.kept`) and some
   node at or after it in its layer saves a tensor;
 - `regather`: the all-gathers whose output a node outside a recomputed layer
   saves: that node keeps the shard, and backward gathers it again
-  (`remat.keeping_shards`);
+  (`modules.recompute.keeping_shards`);
 - `kept_layers`: what each layer keeps for backward as the plan's recompute
   mode runs it (a second dry forward, each layer's live bytes after it less
   before), and what it saves without recompute value by value: the plan's
@@ -28,8 +28,8 @@ import torch.fx as fx
 
 from meshlib import Kept
 
-from ..torch_private import pytree
-from .remat import Recompute, Remat, gathers, keeping_shards, kept
+from ...modules.recompute import Recompute, Remat, gathers, keeping_shards, kept
+from ...torch_private import pytree
 
 
 @dataclass
@@ -96,9 +96,9 @@ def kept_layers(compiled, inputs: list[torch.Tensor], found: Census | None = Non
     """Per layer, the bytes its forward adds and keeps until its backward (one microbatch, one rank,
     the plan's recompute mode: a dry forward on meta, each layer's live bytes after it less before),
     and what it saves without recompute (`found`, by value)."""
-    from ..memtrack import PeakTracker
+    from ...memtrack import PeakTracker
+    from ..capture.blocks import split_graph
     from .dryrun import dry_module
-    from .split import split_graph
 
     mode = compiled.options.recompute
     gm, params = dry_module(compiled, compiled.graph)
@@ -126,7 +126,7 @@ def kept_layers(compiled, inputs: list[torch.Tensor], found: Census | None = Non
 
 def _items(compiled, found: Census) -> dict[int, tuple[tuple[str, int], ...]]:
     """Per part, what its nodes save for backward without recompute: activations only (not parameters
-    or buffers), an all-gathered value counted as the shard its savers keep (`remat.keeping_shards`)."""
+    or buffers), an all-gathered value counted as the shard its savers keep (`modules.recompute.keeping_shards`)."""
     nodes = {n.name: n for n in compiled.graph.nodes}
     parts = {n.name: k for n, k in compiled.parts.items()}
     comms = {c.name: c for c in compiled.comms}

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..torch_private import HigherOrderOperator
+from ...torch_private import HigherOrderOperator
 from .source import source_line
 
 _HOPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}  # name -> index of the subgraph argument

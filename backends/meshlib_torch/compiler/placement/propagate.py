@@ -1,4 +1,4 @@
-"""Pass 3, propagate: a layout for every value, the cheapest the op rules allow.
+"""Propagate: a layout for every value, the cheapest the op rules allow.
 
 Nodes are visited in order. On each mesh axis, every strategy the op's rule
 lists is priced by the bytes its input changes would move (`placements.cost`)
