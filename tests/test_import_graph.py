@@ -107,3 +107,38 @@ def test_the_checks_see_what_they_look_for():
     """The parser resolves relative imports: the compiler's orchestrator imports its passes."""
     assert {"meshlib_torch.compiler.graph", "meshlib_torch.compiler.pipeline.compile"} <= _edges()["meshlib_torch.compiler.compile"]
     assert any(imported == "_StridedShard" for _, imported, _ in _imports(TORCH_PRIVATE))
+
+
+# names with a leading underscore that are public API: namedtuple's methods, os._exit, sys._getframe
+PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_exit", "_getframe"}
+
+
+def _own_private_names() -> set[str]:
+    """Every `_name` our packages define: functions, classes, module globals and attributes they assign."""
+    out = set()
+    for path, _ in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                out.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                out.add(node.id)
+    return {n for n in out if n.startswith("_")}
+
+
+def test_torchs_private_attributes_are_read_in_one_module():
+    """`x._name` on an object of torch's (a DTensor's `_local_tensor`, a module's `_parameters`, a view's `_base`)
+    is read only in torch_private.py; elsewhere only our own private names, and ops in torch's `aten` namespace
+    (their names start with an underscore)."""
+    own, found = _own_private_names(), []
+    for name, (path, _) in MODULES.items():
+        if name == TORCH_PRIVATE or not name.startswith("meshlib_torch"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            if node.attr in own or node.attr in PUBLIC_UNDERSCORE or ast.unparse(node.value).endswith("aten"):
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert not found, "torch's private attributes read outside torch_private.py:\n  " + "\n  ".join(found)

@@ -15,16 +15,14 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from .torch_private import TorchDispatchMode, pytree
+from .torch_private import TorchDispatchMode, local_tensor, pytree
 
 
 def _storages(obj) -> list:
     out = []
     for t in pytree.tree_flatten(obj)[0]:
-        if isinstance(t, DTensor):
-            t = t._local_tensor
+        t = local_tensor(t)
         if torch.is_tensor(t):
             try:
                 out.append(t.untyped_storage())

@@ -48,6 +48,35 @@ def pipeline_keeps_grad_buffers() -> bool:
 FX_ASSERTS = {torch._assert, fx._symbolic_trace._assert_is_none}
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard itself (its storage, written in place by collectives and optimizers; not
+    `to_local()`'s differentiable view), or `t` when it is a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def own_parameters(module: torch.nn.Module) -> dict:
+    """The dict an `nn.Module` keeps its own parameters in: replacing an entry swaps a parameter in place,
+    without `__setattr__`'s checks, so that a parameter two modules share stays shared."""
+    return module._parameters
+
+
+def own_buffers(module: torch.nn.Module) -> dict:
+    """The dict an `nn.Module` keeps its own buffers in (see `own_parameters`)."""
+    return module._buffers
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor `t` is a view of, or `t` itself: what owns its storage."""
+    return t._base if t._base is not None else t
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity of `t`'s storage that views share and that holds on the meta device too (no data pointer)."""
+    return t.untyped_storage()._cdata
+
+
 def in_backward() -> bool:
     """True while autograd runs a backward pass (FSDP2's gathers are counted by phase)."""
     return torch._C._current_graph_task_id() != -1
@@ -97,6 +126,7 @@ def make_wrapper_subclass(cls, shape, *, dtype, device):
 
 __all__ = [
     "AllGather", "FX_ASSERTS", "FakeTensorMode", "HigherOrderOperator", "OpOverload", "ReduceScatter", "StridedShard",
-    "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "in_backward", "make_wrapper_subclass",
-    "pipeline_keeps_grad_buffers", "pytree", "runtime_schedule", "shard_size_and_offsets", "world_timeout",
+    "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "in_backward", "local_tensor",
+    "make_wrapper_subclass", "own_buffers", "own_parameters", "pipeline_keeps_grad_buffers", "pytree",
+    "runtime_schedule", "shard_size_and_offsets", "storage_key", "view_base", "world_timeout",
 ]  # fmt: skip

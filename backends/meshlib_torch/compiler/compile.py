@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from meshlib import Mesh, P, Precision
+from meshlib import CANONICAL_AXES, Mesh, P, Precision
 from meshlib.cost import zero_level
 from meshlib.sharding import UNEVEN_POLICIES
 
@@ -119,9 +119,6 @@ def _check_ragged_batch(layouts: dict, mesh: Mesh, call: Call, microbatches: int
                 f"ranks, and uneven='chunk' does not cut a batch that is also cut into {microbatches} "
                 f"microbatches. Fix: make the batch a multiple of {microbatches * ways}, or use microbatches=1"
             )
-
-
-CANONICAL_AXES = ("dp", "tp", "pp", "ep", "cp")
 
 
 def _check_axes_used(compiled: Compiled, pp_axis: str, idle_axes: tuple[str, ...]) -> None:

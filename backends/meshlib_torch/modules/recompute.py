@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..torch_private import view_base
+
 aten = torch.ops.aten
 
 # selective recompute keeps these ops' outputs: projections and attention kernels (not bmm: the
@@ -154,7 +156,7 @@ def comm_forward(name: str, keep: bool, run):
 # -- all-gathered values kept as their shards ------------------------------------------------------
 def _root(t: torch.Tensor) -> torch.Tensor:
     """The tensor that owns `t`'s storage (`t` itself unless it is a view)."""
-    return t._base if t._base is not None else t
+    return view_base(t)
 
 
 class _Gathered:

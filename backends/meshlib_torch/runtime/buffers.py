@@ -25,6 +25,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..torch_private import own_buffers, own_parameters
+
 _MARK = 0x7F  # the byte integer and bool buffers are filled with before init code runs (floating ones: NaN)
 
 
@@ -46,9 +48,9 @@ def fill_meta_buffers(model: nn.Module, names, *, why: str = "the model holds th
 def _fill_owner(model: nn.Module, path: str, keys: list[str]) -> list[tuple[str, str, list[str]]]:
     """Fill the buffers `keys` of the module at `path`; `(path, key, candidates tried)` for each left empty."""
     owner = model.get_submodule(path)
-    want = {k: (tuple(owner._buffers[k].shape), owner._buffers[k].dtype) for k in keys}
+    want = {k: (tuple(own_buffers(owner)[k].shape), own_buffers(owner)[k].dtype) for k in keys}
     for k, (shape, dtype) in want.items():
-        owner._buffers[k] = _marked(torch.empty(shape, dtype=dtype))
+        own_buffers(owner)[k] = _marked(torch.empty(shape, dtype=dtype))
     left, tried = list(keys), []
     for label, run in _candidates(model, path):
         tried.append(label)
@@ -73,7 +75,7 @@ def _fill_owner(model: nn.Module, path: str, keys: list[str]) -> list[tuple[str,
 def _back_to_meta(owner: nn.Module, keys: list[str], want: dict) -> None:
     """The buffers `keys` of `owner` left as they came: on the meta device."""
     for k in keys:
-        owner._buffers[k] = torch.empty(want[k][0], dtype=want[k][1], device="meta")
+        own_buffers(owner)[k] = torch.empty(want[k][0], dtype=want[k][1], device="meta")
 
 
 def _candidates(model: nn.Module, path: str) -> Iterator[tuple[str, Callable[[], None]]]:
@@ -114,9 +116,9 @@ def _only(model: nn.Module, owner: nn.Module, keys: list[str]):
     is a meta stand-in; each is put back after (a replaced one too)."""
     saved = []
     for mod in model.modules():
-        for store in (mod._parameters, mod._buffers):
+        for store in (own_parameters(mod), own_buffers(mod)):
             for key, t in list(store.items()):
-                if t is None or (mod is owner and store is mod._buffers and key in keys):
+                if t is None or (mod is owner and store is own_buffers(mod) and key in keys):
                     continue
                 saved.append((store, key, t))
                 if not t.is_meta:
@@ -131,7 +133,7 @@ def _only(model: nn.Module, owner: nn.Module, keys: list[str]):
 
 def _filled(owner: nn.Module, key: str, want: tuple, label: str, path: str) -> bool:
     """Whether init code left the buffer `key` of `owner` with values (raises if it changed its shape or dtype)."""
-    t = owner._buffers.get(key)
+    t = own_buffers(owner).get(key)
     if t is None or t.is_meta:
         return False
     if (tuple(t.shape), t.dtype) != want:

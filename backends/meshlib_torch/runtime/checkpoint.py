@@ -75,7 +75,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Shard
 
-from ..torch_private import StridedShard, make_wrapper_subclass, shard_size_and_offsets
+from ..torch_private import StridedShard, local_tensor, make_wrapper_subclass, shard_size_and_offsets
 
 __all__ = ["checkpointable", "load", "rank_orders", "save"]
 
@@ -299,7 +299,7 @@ def _commit(par, opt, slots: list[_Slot], buffers: dict) -> None:
     for s in slots:
         buf = buffers[id(s)]
         if s.role in ("param", "master"):
-            _local(s.like.data).copy_(_local(buf))
+            local_tensor(s.like.data).copy_(local_tensor(buf))
         elif s.name:
             state[s.name][s.role] = buf
     for name in opt.params:
@@ -396,13 +396,9 @@ def _causes(exc: CheckpointException) -> str:
 
 
 # -- the pieces DCP sees ------------------------------------------------------------------------
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _empty_like(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor):
-        local = torch.empty_like(t._local_tensor)
+        local = torch.empty_like(local_tensor(t))
         return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
     return torch.empty_like(t)
 
@@ -413,7 +409,7 @@ def checkpointable(t: torch.Tensor, order: dict | None = None) -> torch.Tensor:
     the DTensor's rows, which are in rank order)."""
     if not isinstance(t, DTensor):
         return t.detach()
-    local = t._local_tensor.detach()
+    local = local_tensor(t).detach()
     runs = _held_runs(t, order or {})
     boxes = []
     if runs is not None:
@@ -447,8 +443,8 @@ def _held_runs(t: DTensor, order: dict) -> list[list[tuple[int, int, int]]] | No
         if size == 0:
             return None
         sizes[p.dim], index[p.dim] = size, offsets
-    if tuple(sizes) != tuple(t._local_tensor.shape):
-        raise ValueError(f"a DTensor's local shape {tuple(t._local_tensor.shape)} is not its layout's {tuple(sizes)}")
+    if tuple(sizes) != tuple(local_tensor(t).shape):
+        raise ValueError(f"a DTensor's local shape {tuple(local_tensor(t).shape)} is not its layout's {tuple(sizes)}")
     held = [index.get(d, torch.arange(n)) for d, n in enumerate(shape)]
     held = [order[d][ix] if d in order else ix for d, ix in enumerate(held)]
     return [_runs(ix.tolist()) for ix in held]

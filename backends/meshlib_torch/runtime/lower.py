@@ -24,7 +24,7 @@ from ..compiler.attrs import has_attr, resolve, set_attr
 from ..compiler.capture.blocks import split_graph
 from ..compiler.capture.regions import apply_regions
 from ..compiler.program import deferred_loss
-from ..torch_private import copy_codegen
+from ..torch_private import copy_codegen, own_buffers, own_parameters
 from . import dist as mdist
 from . import weights
 from .buffers import fill_meta_buffers
@@ -141,15 +141,15 @@ def _lower_eager(compiled, model, names, local, source: weights.Source, *, devic
 def _fill(stage: nn.Module, params: dict, buffers: dict, aliases: dict, device, compute) -> nn.Module:
     """Put the real parameters (by canonical FQN) and buffers into a stage's meta copy of the model."""
     for prefix, mod in stage.named_modules(remove_duplicate=False):
-        for name, p in list(mod._parameters.items()):
+        for name, p in list(own_parameters(mod).items()):
             if p is not None:
                 path = f"{prefix}.{name}" if prefix else name
-                mod._parameters[name] = params[aliases.get(path, path)]
-        for name, b in list(mod._buffers.items()):
+                own_parameters(mod)[name] = params[aliases.get(path, path)]
+        for name, b in list(own_buffers(mod).items()):
             path = f"{prefix}.{name}" if prefix else name
             if b is not None and path in buffers:
                 real = buffers[path]
-                mod._buffers[name] = real.to(device, dtype=compute if real.is_floating_point() else real.dtype)
+                own_buffers(mod)[name] = real.to(device, dtype=compute if real.is_floating_point() else real.dtype)
     return stage
 
 

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+from ..torch_private import local_tensor
 
 
 def model_state_bytes(par, opt) -> dict[str, int]:
@@ -20,7 +17,7 @@ def model_state_bytes(par, opt) -> dict[str, int]:
     params = list(par.named_model_parameters().values())
 
     def size(t: torch.Tensor) -> int:
-        local = _local(t)
+        local = local_tensor(t)
         return local.numel() * local.element_size()
 
     return {

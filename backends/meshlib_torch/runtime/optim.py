@@ -23,12 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from ..compiler.placement import placements as pl
 from ..compiler.placement.shapes import padded, ragged_dims
+from ..torch_private import local_tensor
 from .comm import COUNTER, CommCounter, all_gather, pad_to, reduce_scatter
 from .dtensor import torch_placements
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class MeshOptimizer(torch.optim.Optimizer):
@@ -73,7 +70,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         targets = [self.master.get(n, p) for n, p in params.items()]
         if "foreach" in inspect.signature(optimizer).parameters:
             options.setdefault("foreach", False)  # one tensor at a time: DTensor shards of every layout
-        split = [n for n, t in zip(params, targets) if tuple(_local(t).shape) != tuple(t.shape)]
+        split = [n for n, t in zip(params, targets) if tuple(local_tensor(t).shape) != tuple(t.shape)]
         if split:
             check_elementwise(optimizer, options, split)
         self.inner = optimizer(targets, **options)
@@ -85,7 +82,7 @@ class MeshOptimizer(torch.optim.Optimizer):
     def _sharded_master(
         self, name: str, p: torch.nn.Parameter, start, layout, mesh_axes, separate: bool
     ) -> torch.Tensor:
-        local = _local(start)
+        local = local_tensor(start)
         d = pl.zero1_shard_dim(
             tuple(local.shape), self.dp_size, layout, ragged_dims(tuple(p.shape), layout, mesh_axes.sizes)
         )
@@ -124,12 +121,12 @@ class MeshOptimizer(torch.optim.Optimizer):
             if self.zero == 1 and self.shard_dim.get(name) is not None:
                 m.grad = _as_like(m, self._reduce_scatter(name, p))
             elif self.zero == 1 and self.dp_size > 1:  # kept whole (see `zero1_shard_dim`): sum it
-                g = _local(p.grad).to(m.dtype).contiguous()
+                g = local_tensor(p.grad).to(m.dtype).contiguous()
                 dist.all_reduce(g, group=self.dp_group)
                 self.counter.record("backward", "all_reduce", self.dp_axis, g.numel() * g.element_size(), "zero-1")
                 m.grad = _as_like(m, g)
             else:
-                m.grad = _as_like(m, _local(p.grad).to(m.dtype))
+                m.grad = _as_like(m, local_tensor(p.grad).to(m.dtype))
         grads = [t.grad for g in self.inner.param_groups for t in g["params"] if t.grad is not None]
         if self.scaler is not None and not self.scaler.unscale_and_check(grads):
             return False
@@ -141,13 +138,13 @@ class MeshOptimizer(torch.optim.Optimizer):
             if self.zero == 1 and self.shard_dim.get(name) is not None:
                 self._all_gather_into(name, m, p)
             else:
-                _local(p.data).copy_(_local(m.data))
+                local_tensor(p.data).copy_(local_tensor(m.data))
         return True
 
     def _reduce_scatter(self, name: str, p) -> torch.Tensor:
         """This rank's piece of the summed gradient. An uneven dim is padded to equal pieces for
         the collective (that padding moves too, and is counted), and the piece cut back."""
-        g = _local(p.grad).to(self.master[name].dtype)
+        g = local_tensor(p.grad).to(self.master[name].dtype)
         d = self.shard_dim[name]
         size = g.shape[d]
         g = pad_to(g, d, padded(size, self.dp_size))
@@ -157,8 +154,8 @@ class MeshOptimizer(torch.optim.Optimizer):
 
     def _all_gather_into(self, name: str, m, p) -> None:
         d = self.shard_dim[name]
-        target = _local(p.data)
-        piece = pad_to(_local(m.data).to(p.dtype), d, -(-target.shape[d] // self.dp_size))
+        target = local_tensor(p.data)
+        piece = pad_to(local_tensor(m.data).to(p.dtype), d, -(-target.shape[d] // self.dp_size))
         full = all_gather(piece, pl.Shard(d), self.dp_group, self.dp_size)
         self.counter.record("optimizer", "all_gather", self.dp_axis, full.numel() * full.element_size(), "zero-1")
         target.copy_(full.narrow(d, 0, target.shape[d]))
@@ -166,16 +163,16 @@ class MeshOptimizer(torch.optim.Optimizer):
     # -- state ------------------------------------------------------------------------------------------
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: moments, plus masters where they are separate copies."""
-        own = {_local(p.data).untyped_storage().data_ptr() for p in self.params.values()}
+        own = {local_tensor(p.data).untyped_storage().data_ptr() for p in self.params.values()}
         total = sum(
-            _local(m.data).numel() * _local(m.data).element_size()
+            local_tensor(m.data).numel() * local_tensor(m.data).element_size()
             for m in self.master.values()
-            if _local(m.data).untyped_storage().data_ptr() not in own
+            if local_tensor(m.data).untyped_storage().data_ptr() not in own
         )
         for state in self.inner.state.values():
             for v in state.values():
                 if torch.is_tensor(v) and v.dim() > 0:
-                    total += _local(v).numel() * _local(v).element_size()
+                    total += local_tensor(v).numel() * local_tensor(v).element_size()
         return total
 
 
@@ -233,7 +230,7 @@ def _master_dtype(t: torch.Tensor) -> torch.dtype:
 def _fp32_copy(p: torch.Tensor) -> torch.nn.Parameter:
     if isinstance(p.data, DTensor):
         d = p.data
-        local = d._local_tensor.detach().to(_master_dtype(d._local_tensor)).clone()
+        local = local_tensor(d).detach().to(_master_dtype(local_tensor(d))).clone()
         return torch.nn.Parameter(
             DTensor.from_local(local, d.device_mesh, d.placements, shape=d.shape, stride=d.stride())
         )
@@ -272,7 +269,7 @@ class LossScaler:
     def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
         found = torch.zeros(1)
         for g in grads:
-            local = _local(g)
+            local = local_tensor(g)
             local.mul_(1.0 / self.scale)
             if not torch.isfinite(local).all():
                 found.fill_(1.0)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..compiler.capture.call import batch_call
 from ..compiler.placement import placements as pl
+from ..torch_private import local_tensor
 from . import dist as mdist
 from .comm import local_slice
 from .dtensor import gather_whole
@@ -210,7 +211,7 @@ class Parallel(nn.Module):
                 continue
             g = p.grad.to(torch.float64)
             if group is not None:
-                local = g._local_tensor.clone()
+                local = local_tensor(g).clone()
                 dist.all_reduce(local, group=group)
                 g = type(g).from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
             norm = torch.linalg.vector_norm(g)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..torch_private import own_parameters
 from .parallelisms.zero import left_whole
 
 
@@ -39,12 +40,12 @@ def cast_params(module: nn.Module, dtype: torch.dtype, only: set[str] | None = N
             out[path] = p.data
             chosen.add(id(p))
     for mod in module.modules():
-        for name, p in list(mod._parameters.items()):
+        for name, p in list(own_parameters(mod).items()):
             if p is None or id(p) not in chosen:
                 continue
             if id(p) not in new:
                 new[id(p)] = nn.Parameter(p.data.to(dtype), requires_grad=p.requires_grad)
-            mod._parameters[name] = new[id(p)]
+            own_parameters(mod)[name] = new[id(p)]
     return out
 
 

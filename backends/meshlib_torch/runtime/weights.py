@@ -25,6 +25,7 @@ from torch import nn
 
 from ..compiler.placement.placements import Layout
 from ..compiler.placement.shapes import local_shape, shard_indices
+from ..torch_private import own_parameters
 from .materialize import init_full, init_local
 
 _CHUNK = 1 << 20  # elements checksummed at a time
@@ -185,14 +186,14 @@ class Holders:
         self.places: dict[int, list[tuple[nn.Module, str]]] = {}
         for mod in modules:
             for sub in mod.modules():
-                for key, p in sub._parameters.items():
+                for key, p in own_parameters(sub).items():
                     if p is not None and not p.is_meta:
                         self.places.setdefault(id(p), []).append((sub, key))
 
     def release(self, p: torch.Tensor) -> None:
         """Put a meta tensor of the same shape wherever `p` was held."""
         for sub, key in self.places.pop(id(p), []):
-            sub._parameters[key] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+            own_parameters(sub)[key] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
 
 
 __all__ = [

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from meshlib import Mesh, P, pattern_rules
 
 from ..compiler.capture.call import batch_call, pick_loss
+from ..torch_private import local_tensor
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.1
 
@@ -98,7 +99,7 @@ class _Recording:
         """ZeRO-1 sums the gradients over the data axes inside its step: sum a copy here."""
         if self.opt.zero != 1 or self.opt.dp_group is None:
             return grad
-        local = grad._local_tensor.clone()
+        local = local_tensor(grad).clone()
         torch.distributed.all_reduce(local, group=self.opt.dp_group)
         return DTensor.from_local(local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride())
 

@@ -29,7 +29,7 @@ import torch.fx as fx
 from meshlib import Kept
 
 from ...modules.recompute import Recompute, Remat, gathers, keeping_shards, kept
-from ...torch_private import pytree
+from ...torch_private import pytree, storage_key
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Census:
 
 
 def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return storage_key(t)
 
 
 class _Recorder(fx.Interpreter):

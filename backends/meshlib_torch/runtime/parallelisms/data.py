@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ...compiler.placement.placements import Shard
 from ...compiler.program import deferred_loss
+from ...torch_private import local_tensor
 from .. import dist as mdist
 from ..comm import COUNTER, CommCounter, local_slice
 
@@ -48,7 +49,7 @@ class GradSync:
     def _sync(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        g = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+        g = local_tensor(p.grad)
         buf = g.to(self.reduce_dtype) if g.dtype != self.reduce_dtype else g
         dist.all_reduce(buf, group=self.group)
         self.counter.record("backward", "all_reduce", self.axis, buf.numel() * buf.element_size(), "grad sync")

@@ -29,7 +29,7 @@ from torch.distributed.pipelining import (
 from meshlib import schedule as core_schedule
 
 from ...compiler.pipeline.stages import boundary_values, param_holders
-from ...torch_private import runtime_schedule
+from ...torch_private import local_tensor, runtime_schedule
 from .. import dist as mdist
 from ..comm import COUNTER
 
@@ -93,7 +93,7 @@ class PipelineRun:
                 p = params.get(name)
                 if p is None or p.grad is None:
                     continue
-                g = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+                g = local_tensor(p.grad)
                 dist.all_reduce(g, group=group)
                 COUNTER.record("backward", "all_reduce", "pp", g.numel() * g.element_size(), f"tied {name}")
 
