@@ -1,29 +1,29 @@
 """The compiler's entry for any mesh: `compile_model`, the whole plan with nothing run.
 
 With a pipeline axis the program is one microbatch's graph cut into stages
-with the schedule that runs them (`pipeline.py`); else it is one graph
+with the schedule that runs them (`pipeline/compile.py`); else it is one graph
 (`graph.py`), of one microbatch when the step accumulates gradients over
 several. Either way the result is one `Compiled` that the runtime carries out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 
 import torch
 
-from meshlib import CANONICAL_AXES, Mesh, P, Precision
-from meshlib.cost import zero_level
-from meshlib.sharding import UNEVEN_POLICIES
+from meshlib import CANONICAL_AXES, Mesh, Precision
 
+from ..options import Parallelism, Pipelining, gather
 from .capture.call import Call, LossSpec, bind_call
 from .estimates.records import step_collectives
 from .graph import compile_graph
 from .pipeline.compile import compile_pipeline
 from .placement.placements import Shard
 from .placement.shapes import ragged_dims
-from .program import Compiled, Options, check_recompute, input_layouts
+from .program import Compiled, input_layouts
 
 
 def compile_model(
@@ -35,24 +35,10 @@ def compile_model(
     example_inputs: tuple | dict | Call = (),
     example_kwargs: dict | None = None,
     loss: LossSpec = None,
-    in_specs: dict[str, P] | tuple[P, ...] | None = None,
-    sequence_parallel: bool = False,
-    tp_axis: str = "tp",
-    seq_dim: int = 1,
-    zero: int | str = 0,
-    precision: Precision | str | None = None,
-    recompute: str = "none",
-    replicate_axes: tuple[str, ...] = (),
-    microbatches: int = 1,
-    schedule: str = "1f1b",
-    chunks: int | None = None,
-    pp_axis: str = "pp",
-    split_points: list[int] | None = None,
-    balance: str = "flops",
     estimate_memory: bool = False,
-    allow_data_gather: bool = False,
-    idle_axes: tuple[str, ...] = (),
-    uneven: str = "error",
+    parallelism: Parallelism | None = None,
+    pipelining: Pipelining | None = None,
+    **options,
 ) -> Compiled:
     """Compile `model` for `mesh`: no processes, no real memory (the model may be on meta).
 
@@ -60,49 +46,33 @@ def compile_model(
     (`example_inputs` may also be a dict of keyword inputs); its tensors are the compiled
     model's inputs, by name, and its other values are fixed. The compiled model returns the
     loss: the output itself, a dict's or `ModelOutput`'s `"loss"`, or what `loss=` picks (an
-    index, key, attribute name or function of the output; see `compiler.call`).
+    index, key, attribute name or function of the output; see `compiler.capture.call`).
 
-    The data-parallel axes are those the inputs' batch dim is split over. Gradients are summed
-    over them once per step by the runtime, by `zero` level: 0 all-reduces them, 1
-    reduce-scatters them into a sharded optimizer, 2 and 3 hand the axes to FSDP2
-    (`replicate_axes` makes that HSDP). `precision` is a `Precision` or its text (`"bf16"`,
-    `"param=bf16,reduce=fp32"`). The batch holds `microbatches` microbatches: a pipeline's
-    (a `pp_axis` in the mesh: `schedule`, `chunks` stages per rank, `split_points` or a
-    `balance` by "flops" or "params"), else gradient accumulation's. Gathering an activation
-    over a data axis is an error unless `allow_data_gather`. A mesh axis nothing is split over (no
-    parameter, no input, not the pipeline's) is an error unless named in `idle_axes`: every rank
-    along it would repeat the same work. `estimate_memory` adds the dry
-    run's peak to the plan. `uneven="chunk"` lets a dim that does not divide over its axis be cut in
-    torch.chunk's sizes (DTensor's Shard), as `NamedSharding(..., uneven="chunk")` lays it out: the
-    first ranks hold one more row, and collectives over it move it padded to equal pieces.
+    The options are `Parallelism`'s and `Pipelining`'s (`meshlib_torch.options`: each with its
+    default and meaning), given as keywords (`zero=1, microbatches=4`) or as the values
+    (`parallelism=Parallelism(zero=1)`). The data-parallel axes are those the inputs' batch dim is
+    split over; the runtime sums gradients over them once per step, by ZeRO level. `estimate_memory`
+    adds the dry run's peak, and what each layer keeps for backward, to the plan.
     """
-    options = Options(
-        zero_level(zero), _precision(model, precision), check_recompute(recompute), tuple(replicate_axes),
-        allow_data_gather, _uneven(uneven),
-    )  # fmt: skip
+    par, pipe, _ = gather(options, parallelism, pipelining, accept=(Parallelism, Pipelining))
+    par = dataclasses.replace(par, precision=par.precision or _own_precision(model))
     call = example_inputs
     if not isinstance(call, Call):
         call = bind_call(model, example_inputs, example_kwargs, loss=loss)
-    _check_microbatches(call, microbatches)
-    if microbatches > 1 and uneven != "error":
-        layouts = input_layouts(call.tensors, in_specs, mesh, options.replicate_axes, uneven)
-        _check_ragged_batch(layouts, mesh, call, microbatches)
-    common = dict(mesh=mesh, rules=rules, options=options, in_specs=in_specs, sequence_parallel=sequence_parallel)
-    if pp_axis in mesh and mesh.axis_size(pp_axis) > 1:
-        compiled = compile_pipeline(
-            model, call, **common, microbatches=microbatches, schedule=schedule, chunks=chunks, pp_axis=pp_axis,
-            split_points=split_points, balance=balance, estimate_memory=estimate_memory,
-        )  # fmt: skip
-        _check_axes_used(compiled, pp_axis, idle_axes)
-        return compiled
-    compiled = compile_graph(
-        model, call.micro(microbatches), **common, tp_axis=tp_axis, seq_dim=seq_dim, estimate_memory=estimate_memory
-    )
-    compiled.microbatches = microbatches
-    compiled.plan = compiled.plan.replace(
-        collectives=tuple(step_collectives(compiled, microbatches)), microbatches=microbatches
-    )
-    _check_axes_used(compiled, pp_axis, idle_axes)
+    m = pipe.microbatches
+    _check_microbatches(call, m)
+    if m > 1 and par.uneven != "error":
+        layouts = input_layouts(call.tensors, par.in_specs, mesh, par.replicate_axes, par.uneven)
+        _check_ragged_batch(layouts, mesh, call, m)
+    if pipe.pp_axis in mesh and mesh.axis_size(pipe.pp_axis) > 1:
+        compiled = compile_pipeline(model, call, mesh=mesh, rules=rules, options=par, pipelining=pipe,
+                                    estimate_memory=estimate_memory)  # fmt: skip
+    else:
+        compiled = compile_graph(model, call.micro(m), mesh=mesh, rules=rules, options=par,
+                                 estimate_memory=estimate_memory)  # fmt: skip
+        compiled.microbatches = m
+        compiled.plan = compiled.plan.replace(collectives=tuple(step_collectives(compiled, m)), microbatches=m)
+    _check_axes_used(compiled, pipe.pp_axis, par.idle_axes)
     return compiled
 
 
@@ -144,21 +114,10 @@ def _check_axes_used(compiled: Compiled, pp_axis: str, idle_axes: tuple[str, ...
     )
 
 
-def _uneven(value: str) -> str:
-    if value not in UNEVEN_POLICIES:
-        raise ValueError(f"uneven={value!r}: choose one of {UNEVEN_POLICIES}")
-    return value
-
-
-def _precision(model: torch.nn.Module, precision) -> Precision:
-    if isinstance(precision, str):
-        return Precision.parse(precision)
-    if precision is not None and not isinstance(precision, Precision):
-        raise TypeError(
-            f"precision={precision!r}: pass a meshlib.Precision, or text such as 'bf16' or 'param=bf16,reduce=fp32'"
-        )
+def _own_precision(model: torch.nn.Module) -> Precision:
+    """Compute, reduce and output in the model's own dtype."""
     own = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return precision or Precision(own, own, own)  # compute, reduce and output in the model's own dtype
+    return Precision(own, own, own)
 
 
 def _check_microbatches(call: Call, microbatches: int) -> None:
@@ -170,8 +129,7 @@ def _check_microbatches(call: Call, microbatches: int) -> None:
             f"the inputs' batch sizes differ ({batches}); microbatches split every input along dim 0. "
             "Fix: give every tensor input the batch as its first dim"
         )
-    splits = isinstance(microbatches, int) and microbatches >= 1
-    if not splits or (microbatches > 1 and (batch is None or batch % microbatches)):
+    if microbatches > 1 and (batch is None or batch % microbatches):
         raise ValueError(
             f"the batch of {batch} does not split into {microbatches} microbatches. Fix: make the batch a "
             f"multiple of the microbatch count, or pick a count that divides {batch}"

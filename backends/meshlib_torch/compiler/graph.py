@@ -19,6 +19,7 @@ import torch
 from meshlib import Mesh
 
 from ..modules.recompute import Remat, gathers
+from ..options import Parallelism
 from .capture.blocks import layer_paths, partition
 from .capture.call import Call
 from .capture.moe import check_not_moe
@@ -33,7 +34,7 @@ from .placement.placements import Shard
 from .placement.propagate import Axes, propagate
 from .placement.redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
 from .placement.shapes import ragged_dims
-from .program import Compiled, Options, check_zero, data_axes, input_layouts, model_state
+from .program import Compiled, check_zero, data_axes, input_layouts, model_state
 
 
 @contextlib.contextmanager
@@ -50,8 +51,7 @@ def _gc_paused():
 
 
 def compile_graph(
-    model: torch.nn.Module, call: Call, /, *, mesh: Mesh, rules, options: Options, in_specs=None,
-    sequence_parallel: bool = False, tp_axis: str = "tp", seq_dim: int = 1, estimate_memory: bool = False,
+    model: torch.nn.Module, call: Call, /, *, mesh: Mesh, rules, options: Parallelism, estimate_memory: bool = False,
     count_flops: bool = False, estimate_kept: bool = False,
 ) -> Compiled:  # fmt: skip
     """One graph for `mesh`, called as `call`: its plan, and its model state per rank (with
@@ -60,9 +60,7 @@ def compile_graph(
     its node (`meta["flops"]`, a pipeline's stage cost)."""
     check_not_moe(model)
     with _gc_paused():
-        compiled = _compile(
-            model, mesh, rules, call, in_specs, sequence_parallel, tp_axis, seq_dim, options, count_flops
-        )
+        compiled = _compile(model, mesh, rules, call, options, count_flops)
     estimate_kept = (estimate_memory or estimate_kept) and compiled.layers > 0
     found = _census(compiled, call, estimate_kept)
     compiled.remat = remat_of(compiled, found) if found is not None else Remat()
@@ -115,7 +113,7 @@ def _refuse_data_gathers(comms: list[CommSpec], plans, axes: Axes, data: tuple[s
     )
 
 
-def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, options, count_flops) -> Compiled:
+def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: bool) -> Compiled:
     compute = getattr(torch, options.precision.param)
     traced = trace(model, call, count_flops=count_flops, compute=compute)
     gm = traced.gm
@@ -129,8 +127,8 @@ def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, opt
                for n, lay in layouts.items()}  # fmt: skip
     plain = sorted(n for n in groups if layouts[n] == declared[n] and Shard(groups[n][0]) in declared[n])
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    in_layouts = input_layouts(call.tensors, in_specs, mesh, options.replicate_axes, options.uneven)
-    axes = _axes(mesh, sp, tp_axis, seq_dim, call, options.uneven == "chunk")
+    in_layouts = input_layouts(call.tensors, options.in_specs, mesh, options.replicate_axes, options.uneven)
+    axes = _axes(mesh, options, call)
     data = data_axes(in_layouts, mesh)
     check_zero(options.zero, data, mesh)
     bad = [a for a in options.replicate_axes if a not in data]
@@ -153,7 +151,7 @@ def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, opt
         _refuse_data_gathers(comms, plans, axes, data)
     specials = localize(gm, plans, axes, set(traced.params))
     gm.graph.lint()
-    plan = plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, sp, layouts)
+    plan = plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, options.sequence_parallel, layouts)
     plan = with_data_parallel(plan, data, options)
     if plain:
         note = ", ".join(plain) + ": the parts do not divide over the axes, so the split reads the output gathered"
@@ -174,12 +172,12 @@ def _compile(model, mesh, rules, call: Call, in_specs, sp, tp_axis, seq_dim, opt
     return compiled
 
 
-def _axes(mesh: Mesh, sp: bool, tp_axis: str, seq_dim: int, call: Call, uneven: bool = False) -> Axes:
+def _axes(mesh: Mesh, options: Parallelism, call: Call) -> Axes:
     slice_dims = ()
-    if sp and tp_axis in mesh:
-        seq = tuple(next(iter(call.tensors.values())).shape)[seq_dim]
-        slice_dims = ((tp_axis, seq_dim, seq),)
-    return Axes(mesh.axis_names, mesh.axis_sizes, slice_dims, uneven)
+    if options.sequence_parallel and options.tp_axis in mesh:
+        seq = tuple(next(iter(call.tensors.values())).shape)[options.seq_dim]
+        slice_dims = ((options.tp_axis, options.seq_dim, seq),)
+    return Axes(mesh.axis_names, mesh.axis_sizes, slice_dims, options.uneven == "chunk")
 
 
 __all__ = ["compile_graph"]

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from meshlib import Memory, Mesh, NamedSharding, P, Plan, Precision
+from meshlib import Memory, Mesh, NamedSharding, P, Plan
 from meshlib.cost import fsdp2_memory, zero_memory
 
 from ..modules.recompute import Remat
+from ..options import Parallelism
 from .capture.trace import Traced
 from .placement.annotate import check_single_axis_uneven, spec_to_layout
 from .placement.localize import SpecialSpec
@@ -26,24 +27,6 @@ from .placement.placements import Layout, Shard, zero1_split
 from .placement.propagate import Axes, NodePlan
 from .placement.redistribute import CommSpec
 from .placement.shapes import local_shape, ragged_dims, rank_order, shard_indices
-
-RECOMPUTE = ("none", "block", "selective")
-
-
-@dataclass(frozen=True)
-class Options:
-    zero: int
-    precision: Precision
-    recompute: str
-    replicate_axes: tuple[str, ...]
-    allow_data_gather: bool = False
-    uneven: str = "error"  # or "chunk": a dim that does not divide is cut in torch.chunk's sizes
-
-
-def check_recompute(value: str) -> str:
-    if value not in RECOMPUTE:
-        raise ValueError(f"recompute={value!r}: choose one of {RECOMPUTE}")
-    return value
 
 
 @dataclass
@@ -62,7 +45,7 @@ class Compiled:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     plans: dict[fx.Node, NodePlan] = field(default_factory=dict, repr=False)
     data_axes: tuple[str, ...] = ()
-    options: Options | None = None
+    options: Parallelism | None = None
     parts: dict[fx.Node, int] = field(default_factory=dict, repr=False)  # node -> pre/layer/post part
     synced_params: set[str] = field(default_factory=set)  # gradients the runtime sums over the data axes
     # with a pipeline: this program's stages (`StageGraphs`, or `EagerStages` cut from the eager model),
@@ -249,6 +232,6 @@ def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
 
 
 __all__ = [
-    "Compiled", "Options", "RECOMPUTE", "check_recompute", "check_zero", "data_axes", "default_in_spec",
+    "Compiled", "check_zero", "data_axes", "default_in_spec",
     "deferred_loss", "fsdp_whole", "input_layouts", "model_state", "zero1_pieces",
 ]  # fmt: skip

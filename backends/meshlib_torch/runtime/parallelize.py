@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from meshlib import Mesh, Precision
+from meshlib import Mesh
 
 from ..compiler.compile import compile_model
+from ..options import Parallelism, Pipelining, Running, gather
 from . import dist as mdist
 from . import weights as weights_mod
 from .lower import lower
@@ -32,46 +33,36 @@ from .recompute import apply_recompute
 
 def parallelize(
     model: torch.nn.Module, /, *, mesh: Mesh, rules, example_inputs: tuple | dict = (), example_kwargs=None,
-    loss=None, weights=None, init=None, seed: int = 0, sequence_parallel: bool = False, in_specs=None,
-    zero: int | str = 0, precision: Precision | str | None = None, recompute: str = "none",
-    replicate_axes: tuple[str, ...] = (), offload: bool = False, prefetch: bool = True, microbatches: int = 1,
-    schedule: str = "1f1b",
-    chunks: int | None = None, pp_axis: str = "pp", split_points: list[int] | None = None, balance: str = "flops",
-    timeout: float | None = None, allow_data_gather: bool = False, idle_axes: tuple[str, ...] = (),
-    uneven: str = "error", compiled=None,
+    loss=None, compiled=None, parallelism: Parallelism | None = None, pipelining: Pipelining | None = None,
+    running: Running | None = None, **options,
 ) -> Parallel:  # fmt: skip
     """Compile `model` for `mesh` and build this rank's part of it (call on every rank, under torchrun).
 
     The model is called as `model(*example_inputs, **example_kwargs)` on the global batch (see
-    `compile_model`, which also says how `loss=` picks the loss and what the other options do);
-    the result trains with `train_step(batch, opt)` on any mesh. Weights: a model with real
-    parameters trains from them; each rank keeps its shard, the model's whole copy of each
+    `compile_model`, which also says how `loss=` picks the loss); the result trains with
+    `train_step(batch, opt)` on any mesh. The options are `Parallelism`'s, `Pipelining`'s and
+    `Running`'s (`meshlib_torch.options`), as keywords or as the values. Weights: a model with
+    real parameters trains from them; each rank keeps its shard, the model's whole copy of each
     parameter is released as it is taken (the model is left on the meta device: a rank's peak
     while building is the model plus one parameter's shard), and every rank must be given the
-    same weights, which is checked. A meta model takes `weights=` (a safetensors file, a directory
-    saved by `save_pretrained`, or a DCP checkpoint: each rank reads only its shards) or `init=`
-    (name -> ("normal", std) | ("zeros", 0) | ("ones", 0)), whose values are the single process's
-    with `seed`; either with real weights is an error. `seed` also seeds torch's generator alike on every rank
-    (dropout draws the same masks on replicas). `offload` keeps FSDP2's shards on the CPU,
-    `timeout` (seconds) bounds every collective and send/receive of this model's groups.
+    same weights, which is checked. A meta model takes `weights=` or `init=` (`Running`); either
+    with real weights is an error. `compiled`: a program `compile_model` already made for it.
     """
-    weights_mod.check_source(model, init, weights)
+    par, pipe, run = gather(options, parallelism, pipelining, running)
+    weights_mod.check_source(model, run.init, run.weights)
     compiled = compiled or compile_model(
         model, mesh=mesh, rules=rules, example_inputs=example_inputs, example_kwargs=example_kwargs, loss=loss,
-        in_specs=in_specs, sequence_parallel=sequence_parallel, zero=zero, precision=precision,
-        recompute=recompute, replicate_axes=replicate_axes, microbatches=microbatches, schedule=schedule,
-        chunks=chunks, pp_axis=pp_axis, split_points=split_points, balance=balance,
-        allow_data_gather=allow_data_gather, idle_axes=idle_axes, uneven=uneven,
+        parallelism=par, pipelining=pipe,
     )  # fmt: skip
-    _check_runtime(compiled, offload)
-    source = weights_mod.source(model, init=init, seed=seed, weights=weights, compiled=compiled)
-    dm = mdist.start(compiled.mesh, timeout=timeout)
-    torch.manual_seed(seed)  # ranks holding the same values draw the same dropout masks (as Megatron)
+    _check_runtime(compiled, run.offload)
+    source = weights_mod.source(model, init=run.init, seed=run.seed, weights=run.weights, compiled=compiled)
+    dm = mdist.start(compiled.mesh, timeout=run.timeout)
+    torch.manual_seed(run.seed)  # ranks holding the same values draw the same dropout masks (as Megatron)
     par = Parallel(compiled, lower(compiled, dm, model, source), dm)
     apply_precision(par)
     apply_recompute(par)
     apply_data(par)
-    apply_zero(par, offload=offload, prefetch=prefetch)
+    apply_zero(par, offload=run.offload, prefetch=run.prefetch)
     apply_pipeline(par)
     return par
 

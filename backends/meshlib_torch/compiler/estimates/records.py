@@ -18,6 +18,7 @@ import torch
 
 from meshlib import Collective, Plan
 
+from ...options import Parallelism
 from ...torch_private import OpOverload
 from ..capture.source import source_line
 from ..capture.trace import Traced
@@ -26,7 +27,7 @@ from ..placement.placements import zero1_split
 from ..placement.propagate import Axes
 from ..placement.redistribute import collective_records
 from ..placement.shapes import local_shape, ragged_dims
-from ..program import Options, deferred_loss, fsdp_whole
+from ..program import deferred_loss, fsdp_whole
 
 
 def graph_collectives(
@@ -148,7 +149,7 @@ def special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:
     return out
 
 
-def with_data_parallel(plan: Plan, data: tuple[str, ...], options: Options) -> Plan:
+def with_data_parallel(plan: Plan, data: tuple[str, ...], options: Parallelism) -> Plan:
     """The plan's data-parallel axes, zero level, precision and recompute (the gradient sync itself
     is a step's collectives: `dp_collectives`)."""
     notes = dict(plan.notes) | {"data-parallel axes": ",".join(data) or "-"}
@@ -164,7 +165,7 @@ GRAD_SYNC, PARAM_GATHER = "grad sync", "param gather"  # ZeRO-2/3 gather paramet
 
 
 def dp_collectives(
-    traced: Traced, layouts, axes: Axes, data: tuple[str, ...], options: Options, synced, *,
+    traced: Traced, layouts, axes: Axes, data: tuple[str, ...], options: Parallelism, synced, *,
     names=None, pp_rank: int = -1, gathers: int = 1, whole=frozenset(), level: int | None = None,
 ) -> list[Collective]:  # fmt: skip
     """The data-parallel traffic of one step for the parameters in `names` (all by default), on the

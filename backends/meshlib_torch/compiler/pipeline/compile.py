@@ -21,13 +21,14 @@ from meshlib import Collective, Memory, Stage
 from meshlib import schedule as core_schedule
 from meshlib.schedules import resolve_schedule
 
+from ...options import Parallelism, Pipelining
 from ..capture.blocks import layer_paths
 from ..capture.call import Call
 from ..capture.trace import Untraceable
 from ..estimates.dryrun import stage_peaks
 from ..estimates.records import dp_collectives, graph_collectives
 from ..graph import compile_graph
-from ..program import Compiled, Options, fsdp_whole, model_state
+from ..program import Compiled, fsdp_whole, model_state
 from .costs import graph_costs, layer_costs, stage_ranges
 from .fqn_split import split_eager
 from .stages import build_stages, param_holders, rank_params
@@ -40,12 +41,14 @@ GATHERED = (
 
 
 def compile_pipeline(
-    model: nn.Module, call: Call, /, *, mesh, rules, options: Options, in_specs=None, sequence_parallel: bool = False,
-    microbatches: int, schedule: str = "1f1b", chunks: int | None = None, pp_axis: str = "pp", split_points=None,
-    balance: str = "flops", estimate_memory: bool = False,
+    model: nn.Module, call: Call, /, *, mesh, rules, options: Parallelism, pipelining: Pipelining,
+    estimate_memory: bool = False,
 ) -> Compiled:  # fmt: skip
     """The program of a mesh with a pipeline axis: `call` is the global batch's (see `compile_model`)."""
-    name, v = resolve_schedule(schedule, chunks)
+    microbatches, pp_axis, balance, split_points = (
+        pipelining.microbatches, pipelining.pp_axis, pipelining.balance, pipelining.split_points
+    )
+    name, v = resolve_schedule(pipelining.schedule, pipelining.chunks)
     p = mesh.axis_size(pp_axis)
     core = core_schedule(name, p, microbatches, v)  # checks p, m and v before any communication
     _check_recompute(core, options.recompute)
@@ -53,16 +56,15 @@ def compile_pipeline(
     layers = layer_paths(model)
     try:
         compiled = compile_graph(
-            model, micro, mesh=mesh, rules=rules, options=options, in_specs=in_specs,
-            sequence_parallel=sequence_parallel, estimate_kept=estimate_memory, count_flops=balance == "flops",
+            model, micro, mesh=mesh, rules=rules, options=options, estimate_kept=estimate_memory,
+            count_flops=balance == "flops",
         )  # fmt: skip
     except Untraceable as reason:
         costs = layer_costs(model, layers, micro, by=balance)
         ranges = stage_ranges(costs, p * core.v, split_points=split_points)
         compiled, stages = split_eager(
-            model, reason=reason, mesh=mesh, call=micro, layers=layers, ranges=ranges, costs=costs,
-            in_specs=in_specs, zero=options.zero, precision=options.precision, recompute=options.recompute,
-            sequence_parallel=sequence_parallel, pp_axis=pp_axis, microbatches=microbatches, uneven=options.uneven,
+            model, reason=reason, mesh=mesh, call=micro, layers=layers, ranges=ranges, costs=costs, options=options,
+            pp_axis=pp_axis, microbatches=microbatches,
         )  # fmt: skip
         split = "by module FQN on the eager model"
     else:

@@ -169,7 +169,7 @@ def stage_ranges(costs: LayerCosts, n_stages: int, *, split_points: list[int] | 
         points = sorted(split_points)
         if len(points) != n_stages - 1 or points[0] <= 0 or points[-1] >= n or len(set(points)) != len(points):
             raise ValueError(
-                f"split points {split_points} must be {n_stages - 1} distinct layer indices in 1..{n - 1}, "
+                f"split points {list(split_points)} must be {n_stages - 1} distinct layer indices in 1..{n - 1}, "
                 f"where stages 2..{n_stages} begin"
             )
         edges = [0, *points, n]

@@ -37,10 +37,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from meshlib import Boundary, Collective, Mesh, P, Plan, Precision
-from meshlib.cost import zero_level
+from meshlib import Boundary, Collective, Mesh, P, Plan
 from meshlib.sharding import UNEVEN_FIX
 
+from ...options import Parallelism
 from ...torch_private import pytree
 from ..attrs import canonical_params
 from ..capture.call import Call, pick_loss
@@ -224,8 +224,7 @@ def _boundary(name: str, t: torch.Tensor, grad: bool) -> Boundary:
 
 def split_eager(
     model: nn.Module, /, *, reason: Untraceable, mesh: Mesh, call: Call, layers: list[str], ranges,
-    costs: LayerCosts, in_specs=None, zero=0, precision: Precision | None = None, recompute: str = "none",
-    sequence_parallel: bool = False, pp_axis: str = "pp", microbatches: int = 1, uneven: str = "error",
+    costs: LayerCosts, options: Parallelism, pp_axis: str = "pp", microbatches: int = 1,
 ):  # fmt: skip
     """`(compiled, stages)` for an untraceable model: its `EagerStages` and a `Compiled` without a
     graph (what the runtime reads: parameters, layouts, inputs, options, the plan). `call` is the
@@ -234,18 +233,18 @@ def split_eager(
 
     names = call.names
     try:
-        in_layouts = input_layouts(call.tensors, in_specs, mesh)
+        in_layouts = input_layouts(call.tensors, options.in_specs, mesh)
     except ValueError as err:
-        if uneven == "error":
+        if options.uneven == "error":
             raise
         raise ValueError(
-            f"{str(err).replace(UNEVEN_FIX, '')}. uneven={uneven!r} needs the traced graph: this model runs by module "
-            "FQN, whose stages take even pieces only"
+            f"{str(err).replace(UNEVEN_FIX, '')}. uneven={options.uneven!r} needs the traced graph: this model runs "
+            "by module FQN, whose stages take even pieces only"
         ) from None
     data = data_axes(in_layouts, mesh)
-    _check_supported(reason, mesh, pp_axis, data, zero, sequence_parallel, recompute)
+    _check_supported(reason, mesh, pp_axis, data, options)
     own = next(model.parameters()).dtype
-    precision = precision or Precision(*[str(own).removeprefix("torch.")] * 3)
+    precision = options.precision
     local = tuple(torch.empty(local_shape(tuple(x.shape), in_layouts[n], mesh.axis_sizes), dtype=x.dtype, device="meta")
                   for n, x in call.tensors.items())  # fmt: skip
     modules = stage_modules(model, layers, ranges, costs, local, call)
@@ -255,17 +254,17 @@ def split_eager(
             mod.to(compute)  # the activations' dtype as the runtime computes them
     canon, aliases = canonical_params(model)
     stages = _stages(modules, layers, ranges, local, names, aliases)
-    compiled = _compiled(model, reason, mesh, call, in_layouts, data, precision, canon, aliases)
+    compiled = _compiled(model, reason, mesh, call, in_layouts, data, options, canon, aliases)
     plan = compiled.plan
     compiled.plan = plan.replace(collectives=plan.collectives + _loss_mean(stages, data, mesh, microbatches))
     return compiled, stages
 
 
-def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, data, precision, canon, aliases):
+def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, data, options, canon, aliases):
     """The `Compiled` of an eager model: every parameter replicated, gradients summed over `data`."""
     from ..capture.trace import Traced
     from ..estimates.records import with_data_parallel
-    from ..program import Compiled, Options, model_state
+    from ..program import Compiled, model_state
 
     axes = Axes(mesh.axis_names, mesh.axis_sizes)
     layouts = {n: _annotate.spec_to_layout(P(), mesh) for n in canon}
@@ -274,7 +273,6 @@ def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, da
     notes = {"trace": f"failed\nfx: {reason.fx}\nexport: {reason.export}", "sequence parallel": "off"}
     placements = {n: tuple(map(repr, lay)) for n, lay in layouts.items()}
     plan = Plan(mesh, specs={n: P() for n in canon}, notes=notes, placements=placements)
-    options = Options(0, precision, "none", ())
     plan = with_data_parallel(plan, data, options)
     compiled = Compiled(mesh, axes, None, traced, [], [], dict(plan.specs), layouts, in_layouts, call.names, plan)
     compiled.data_axes, compiled.options, compiled.synced_params = data, options, synced
@@ -301,16 +299,14 @@ def _stages(modules, layers: list[str], ranges, local: tuple, names: list[str], 
     return EagerStages(modules, list(ranges), ins, outs, sends, params)
 
 
-def _check_supported(
-    reason: Untraceable, mesh: Mesh, pp_axis: str, data, zero, sequence_parallel: bool, recompute: str
-):
+def _check_supported(reason: Untraceable, mesh: Mesh, pp_axis: str, data, options: Parallelism):
     """The eager stages run pipeline and data parallelism only: anything else raises, naming both trace failures."""
     asked = [
         f"{a}={mesh.axis_size(a)}" for a in mesh.axis_names if a != pp_axis and a not in data and mesh.axis_size(a) > 1
     ]
-    asked += [f"zero={zero}"] if zero_level(zero) >= 1 else []
-    asked += ["sequence_parallel=True"] if sequence_parallel else []
-    asked += [f"recompute={recompute!r}"] if recompute != "none" else []
+    asked += [f"zero={options.zero}"] if options.zero >= 1 else []
+    asked += ["sequence_parallel=True"] if options.sequence_parallel else []
+    asked += [f"recompute={options.recompute!r}"] if options.recompute != "none" else []
     if asked:
         raise ValueError(
             f"the model cannot be traced (fx: {reason.fx}; torch.export: {reason.export}), so its pipeline stages are "

@@ -1,0 +1,155 @@
+"""The options of `compile_model` and `parallelize`, each defined once: its default, its meaning, its check.
+
+They come as three values, as torchtitan's job config groups its parallelism settings:
+
+- `Parallelism`: how values are laid out and what the data-parallel axes shard;
+- `Pipelining`: the microbatches a step holds and, with a pipeline axis, how its stages run them;
+- `Running`: what only a run on ranks needs (the weights, the seed, offload, timeouts).
+
+The functions take them as values (`parallelism=Parallelism(zero=1)`) or as flat keywords (`zero=1`),
+which `gather` sorts into the values; a keyword that is no option names the nearest one.
+
+Example:
+    >>> gather({"zero": "1", "microbatches": 4})[:2]
+    (Parallelism(zero=1), Pipelining(microbatches=4))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+
+from meshlib import P, Precision
+from meshlib.cost import zero_level
+from meshlib.schedules import resolve_schedule
+from meshlib.sharding import UNEVEN_POLICIES
+
+RECOMPUTE = ("none", "block", "selective")
+BALANCE = ("flops", "params")
+
+
+def _set(obj, name: str, value) -> None:
+    object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True, repr=False)
+class _Options:
+    def __repr__(self) -> str:  # only what differs from the defaults: reads like the call that made it
+        fields = [f for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+        return f"{type(self).__name__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
+
+
+@dataclass(frozen=True, repr=False)
+class Parallelism(_Options):
+    """How each value is laid out over the mesh, and what the data-parallel axes shard.
+
+    `in_specs`: each input's spec, by name or in order (default: the batch dim over `dp` and the
+    HSDP replicate axes). `sequence_parallel`: the regions between the tensor-parallel blocks are
+    split on `seq_dim` over `tp_axis` (Megatron's sequence parallelism). `zero`: 0 all-reduces the
+    gradients, 1 shards the optimizer state over the data axes, 2 and 3 hand them to FSDP2
+    (`replicate_axes` makes that HSDP). `precision`: a `Precision` or its text (`"bf16"`,
+    `"param=bf16,reduce=fp32"`; default the model's own dtype). `recompute`: "none", "block" or
+    "selective". Gathering an activation over a data axis is an error unless `allow_data_gather`;
+    a mesh axis nothing is split over is an error unless named in `idle_axes`. `uneven`: "error"
+    (JAX's rule) or "chunk" (torch.chunk's pieces, DTensor's Shard) for a dim its axis does not divide.
+    """
+
+    in_specs: dict[str, P] | tuple[P, ...] | None = None
+    sequence_parallel: bool = False
+    tp_axis: str = "tp"
+    seq_dim: int = 1
+    zero: int = 0
+    precision: Precision | None = None
+    recompute: str = "none"
+    replicate_axes: tuple[str, ...] = ()
+    allow_data_gather: bool = False
+    idle_axes: tuple[str, ...] = ()
+    uneven: str = "error"
+
+    def __post_init__(self):
+        _set(self, "zero", zero_level(self.zero))
+        if isinstance(self.precision, str):
+            _set(self, "precision", Precision.parse(self.precision))
+        elif self.precision is not None and not isinstance(self.precision, Precision):
+            raise TypeError(
+                f"precision={self.precision!r}: pass a meshlib.Precision, or text such as 'bf16' or "
+                "'param=bf16,reduce=fp32'"
+            )
+        _choose("recompute", self.recompute, RECOMPUTE)
+        _choose("uneven", self.uneven, UNEVEN_POLICIES)
+        _set(self, "replicate_axes", tuple(self.replicate_axes))
+        _set(self, "idle_axes", tuple(self.idle_axes))
+
+
+@dataclass(frozen=True, repr=False)
+class Pipelining(_Options):
+    """The `microbatches` a step's batch holds: with a pipeline axis (`pp_axis` in the mesh) the
+    pipeline's, run by `schedule` with `chunks` stages per rank, split at `split_points` (the layers
+    where stages 2, 3, ... begin) or balanced by `balance` ("flops" or "params"); else gradient
+    accumulation's."""
+
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    chunks: int | None = None
+    pp_axis: str = "pp"
+    split_points: tuple[int, ...] | None = None
+    balance: str = "flops"
+
+    def __post_init__(self):
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"microbatches={self.microbatches!r}: give a whole number of at least 1")
+        resolve_schedule(self.schedule, self.chunks)  # an unknown schedule, or chunks it cannot take
+        _choose("balance", self.balance, BALANCE)
+        if self.split_points is not None:
+            _set(self, "split_points", tuple(self.split_points))
+
+
+@dataclass(frozen=True, repr=False)
+class Running(_Options):
+    """What a run on ranks needs besides the plan. `weights`: a safetensors file, a directory saved by
+    `save_pretrained` or a DCP checkpoint, for a model built on the meta device; `init`: name ->
+    ("normal", std) | ("zeros", 0) | ("ones", 0), the single process's values with `seed` (which also
+    seeds every rank alike, so that replicas draw the same dropout masks). `offload` keeps FSDP2's
+    shards on the CPU, `prefetch` gathers the next block ahead, `timeout` (seconds) bounds every
+    collective and send/receive of the model's process groups."""
+
+    weights: object = None
+    init: object = None
+    seed: int = 0
+    offload: bool = False
+    prefetch: bool = True
+    timeout: float | None = None
+
+
+GROUPS = (Parallelism, Pipelining, Running)
+
+
+def _choose(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: choose one of {tuple(allowed)}")
+
+
+def gather(keywords: dict, parallelism=None, pipelining=None, running=None, *, accept=GROUPS) -> tuple:
+    """(`Parallelism`, `Pipelining`, `Running`) from flat `keywords` and any values given whole; a group
+    not in `accept` takes no keyword (`compile_model` has no use for `Running`'s)."""
+    given = {Parallelism: parallelism, Pipelining: pipelining, Running: running}
+    names = {f.name: group for group in accept for f in dataclasses.fields(group)}
+    unknown = sorted(k for k in keywords if k not in names)
+    if unknown:
+        near = {k: difflib.get_close_matches(k, list(names), n=1, cutoff=0.6) for k in unknown}
+        hints = "; ".join(f"{k!r}" + (f" (did you mean {n[0]!r}?)" if n else "") for k, n in near.items())
+        raise TypeError(f"unknown option {hints}. The options: {', '.join(sorted(names))}")
+    out = []
+    for group in GROUPS:
+        mine = {k: v for k, v in keywords.items() if names.get(k) is group}
+        if given[group] is not None and mine:
+            raise TypeError(
+                f"{sorted(mine)} and {group.__name__.lower()}= both given: pass the options as keywords or "
+                f"inside {group.__name__}(...), not both"
+            )
+        out.append(given[group] if given[group] is not None else group(**mine))
+    return tuple(out)
+
+
+__all__ = ["BALANCE", "GROUPS", "Parallelism", "Pipelining", "RECOMPUTE", "Running", "gather"]
