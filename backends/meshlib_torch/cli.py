@@ -155,7 +155,7 @@ def param_table(compiled, *, grouped: bool = True) -> Table:
     """Each parameter's shape, spec and tensor-parallel shard, with its bytes in the model's dtype; layers
     folded into `layers.*` rows (with a pipeline, per pp rank holding them)."""
     holders: dict = defaultdict(set)
-    if compiled.stages is not None:
+    if compiled.pipelined:
         for s, names in enumerate(compiled.stages.params):
             for name in names:
                 holders[name].add(compiled.schedule.placement[s])

@@ -70,8 +70,9 @@ def compile_model(
     else:
         compiled = compile_graph(model, call.micro(m), mesh=mesh, rules=rules, options=par,
                                  estimate_memory=estimate_memory)  # fmt: skip
-        compiled.microbatches = m
-        compiled.plan = compiled.plan.replace(collectives=tuple(step_collectives(compiled, m)), microbatches=m)
+        compiled = dataclasses.replace(compiled, microbatches=m)
+        plan = compiled.plan.replace(collectives=tuple(step_collectives(compiled, m)), microbatches=m)
+        compiled = dataclasses.replace(compiled, plan=plan)
     _check_axes_used(compiled, pipe.pp_axis, par.idle_axes)
     return compiled
 

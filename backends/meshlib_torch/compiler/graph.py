@@ -34,7 +34,7 @@ from .placement.placements import Shard
 from .placement.propagate import Axes, propagate
 from .placement.redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
 from .placement.shapes import ragged_dims
-from .program import Compiled, check_zero, data_axes, input_layouts, model_state
+from .program import Compiled, OneGraph, check_zero, data_axes, input_layouts, model_state
 
 
 @contextlib.contextmanager
@@ -63,15 +63,15 @@ def compile_graph(
         compiled = _compile(model, mesh, rules, call, options, count_flops)
     estimate_kept = (estimate_memory or estimate_kept) and compiled.layers > 0
     found = _census(compiled, call, estimate_kept)
-    compiled.remat = remat_of(compiled, found) if found is not None else Remat()
+    compiled = dataclasses.replace(compiled, remat=remat_of(compiled, found) if found is not None else Remat())
     memory = model_state(compiled)
     if estimate_memory:
         dry = dry_peak(compiled, model, batch=list(call.tensors.values()))
         memory = dataclasses.replace(memory, activations=dry["step"], peak=dry["peak"])
     kept = kept_layers(compiled, _local_inputs(compiled, call), found) if estimate_kept else ()
     notes = dict(compiled.plan.notes) | remat_notes(compiled)
-    compiled.plan = compiled.plan.replace(memory=memory, kept=kept, notes=tuple(notes.items()))
-    return compiled
+    plan = compiled.plan.replace(memory=memory, kept=kept, notes=tuple(notes.items()))
+    return dataclasses.replace(compiled, plan=plan)
 
 
 def _census(compiled: Compiled, call: Call, estimate_memory: bool) -> Census | None:
@@ -162,14 +162,13 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
         note += "rows in rank order; Parallel.whole, export and checkpoints give the model's order, a bare "
         note += "full_tensor() does not"
         plan = plan.replace(notes=(*plan.notes, ("parameters in rank order", note)))
-    buffers = {n: b for n, b in gm.named_buffers()}
-    compiled = Compiled(
-        mesh, axes, gm.graph, traced, comms, specials, specs, layouts, in_layouts, names, plan, buffers, plans
-    )
-    compiled.data_axes, compiled.options, compiled.synced_params = data, options, synced
-    paths = layer_paths(model)
-    compiled.parts, compiled.layers, compiled.layer_paths = partition(gm.graph, paths), len(paths), paths
-    return compiled
+    paths = tuple(layer_paths(model))
+    return Compiled(
+        mesh=mesh, axes=axes, program=OneGraph(gm.graph), traced=traced, comms=comms, specials=specials,
+        param_specs=specs, param_layouts=layouts, input_layouts=in_layouts, input_names=names, plan=plan,
+        options=options, buffers=dict(gm.named_buffers()), plans=plans, data_axes=data, synced_params=frozenset(synced),
+        parts=partition(gm.graph, list(paths)), layers=len(paths), layer_paths=paths,
+    )  # fmt: skip
 
 
 def _axes(mesh: Mesh, options: Parallelism, call: Call) -> Axes:

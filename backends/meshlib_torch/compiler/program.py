@@ -1,10 +1,11 @@
 """What the compiler hands the runtime: a `Compiled` program, and the model state it implies per rank.
 
-A `Compiled` holds the local graph (or, for a model no tracer could follow,
-the eager stages), every parameter's and input's layout, the inserted
-collectives and rank-dependent ops, and the core's `Plan`. With a pipeline it
-also holds the stages and the schedule that runs them. The runtime carries it
-out and decides nothing the plan does not say.
+A `Compiled` holds the program in one of its three shapes (`OneGraph`;
+`TracedStages`, a pipeline cut from the traced graph; `EagerStages`, one cut
+from the eager model when no tracer could follow it), every parameter's and
+input's layout, the inserted collectives and rank-dependent ops, and the core's
+`Plan`. It is frozen: each compiler step that adds to it returns a new one. The
+runtime carries it out and decides nothing the plan does not say.
 """
 
 from __future__ import annotations
@@ -29,11 +30,43 @@ from .placement.redistribute import CommSpec
 from .placement.shapes import local_shape, ragged_dims, rank_order, shard_indices
 
 
-@dataclass
+@dataclass(frozen=True)
+class OneGraph:
+    """No pipeline: one graph, run once per microbatch (several accumulate their gradients)."""
+
+    graph: fx.Graph
+
+
+@dataclass(frozen=True)
+class TracedStages:
+    """A pipeline cut from the traced graph of one microbatch (`graph`): a graph per stage (`StageGraphs`)
+    and the core schedule that runs them."""
+
+    graph: fx.Graph
+    stages: object
+    schedule: object
+
+
+@dataclass(frozen=True)
+class EagerStages:
+    """A pipeline cut from the eager model by module FQN (no tracer could follow it): its stages
+    (`fqn_split.EagerStages`) and the core schedule."""
+
+    stages: object
+    schedule: object
+
+
+Program = OneGraph | TracedStages | EagerStages
+
+
+@dataclass(frozen=True)
 class Compiled:
+    """The program (`OneGraph`, `TracedStages` or `EagerStages`), every parameter's and input's layout, the
+    collectives and rank-dependent ops, the plan; frozen: a step that adds to it makes a new one."""
+
     mesh: Mesh
     axes: Axes
-    graph: fx.Graph
+    program: Program
     traced: Traced
     comms: list[CommSpec]
     specials: list[SpecialSpec]
@@ -42,22 +75,42 @@ class Compiled:
     input_layouts: dict[str, Layout]
     input_names: list[str]
     plan: Plan
+    options: Parallelism
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     plans: dict[fx.Node, NodePlan] = field(default_factory=dict, repr=False)
     data_axes: tuple[str, ...] = ()
-    options: Parallelism | None = None
     parts: dict[fx.Node, int] = field(default_factory=dict, repr=False)  # node -> pre/layer/post part
-    synced_params: set[str] = field(default_factory=set)  # gradients the runtime sums over the data axes
-    # with a pipeline: this program's stages (`StageGraphs`, or `EagerStages` cut from the eager model),
-    # the core schedule that runs them, and how many microbatches the global batch holds (with no
-    # pipeline, microbatches > 1 is gradient accumulation)
-    stages: object = None
-    schedule: object = None
-    microbatches: int = 1
+    synced_params: frozenset[str] = frozenset()  # gradients the runtime sums over the data axes
+    microbatches: int = 1  # in the global batch: a pipeline's, or (one graph) gradient accumulation's
     pp_axis: str = "pp"
     layers: int = 0  # the model's layers (its longest ModuleList): blocks for FSDP2 and recompute
-    layer_paths: list[str] = field(default_factory=list)  # their FQNs
+    layer_paths: tuple[str, ...] = ()  # their FQNs
     remat: Remat = field(default_factory=Remat)  # collectives recompute runs again, all-gathers backward repeats
+
+    @property
+    def graph(self) -> fx.Graph:
+        """The traced graph of one microbatch (a traced program's: not an eager-split pipeline's)."""
+        if isinstance(self.program, EagerStages):
+            raise TypeError("a pipeline cut from the eager model by module FQN has no traced graph")
+        return self.program.graph
+
+    @property
+    def pipelined(self) -> bool:
+        return isinstance(self.program, (TracedStages, EagerStages))
+
+    @property
+    def stages(self):
+        """A pipeline's stages (`StageGraphs` or `fqn_split.EagerStages`)."""
+        if not self.pipelined:
+            raise TypeError("a program without a pipeline has no stages")
+        return self.program.stages
+
+    @property
+    def schedule(self):
+        """A pipeline's core schedule."""
+        if not self.pipelined:
+            raise TypeError("a program without a pipeline has no schedule")
+        return self.program.schedule
 
     def rank_indices(self, name: str, rank: int) -> list:
         """Per dim, the global indices of parameter `name` that `rank` holds."""
@@ -177,7 +230,7 @@ def fsdp_whole(compiled: Compiled) -> set[str]:
         name for name, layout in compiled.param_layouts.items()
         if len(compiled.traced.params[name].shape) == 1 and any(getattr(p, "groups", 1) > 1 for p in layout)
     }  # fmt: skip
-    stages = compiled.stages
+    stages = compiled.stages if compiled.pipelined else None
     if stages is not None and stages.params:
         count: dict[str, int] = {}
         for held in stages.params:
@@ -202,7 +255,7 @@ def deferred_loss(compiled: Compiled):
     """The collective that sums the graph's scalar loss over one data axis for its output, when there
     is no pipeline (a pipeline's last stage keeps it): `(spec, axis)`, or None. The runtime runs it
     itself, beside backward, on the loss in the output dtype."""
-    if compiled.stages is not None or compiled.graph is None:
+    if not isinstance(compiled.program, OneGraph):
         return None
     out = next(n for n in compiled.graph.nodes if n.op == "output")
     for spec in compiled.comms:
@@ -232,6 +285,6 @@ def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
 
 
 __all__ = [
-    "Compiled", "check_zero", "data_axes", "default_in_spec",
+    "Compiled", "EagerStages", "OneGraph", "Program", "TracedStages", "check_zero", "data_axes", "default_in_spec",
     "deferred_loss", "fsdp_whole", "input_layouts", "model_state", "zero1_pieces",
 ]  # fmt: skip

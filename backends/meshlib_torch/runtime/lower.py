@@ -23,13 +23,13 @@ from torch.distributed.tensor import DTensor
 from ..compiler.attrs import has_attr, resolve, set_attr
 from ..compiler.capture.blocks import split_graph
 from ..compiler.capture.regions import apply_regions
-from ..compiler.program import deferred_loss
+from ..compiler.placement.placements import Pending
+from ..compiler.program import EagerStages, TracedStages, deferred_loss
 from ..torch_private import copy_codegen, own_buffers, own_parameters
 from . import dist as mdist
 from . import weights
 from .buffers import fill_meta_buffers
 from .dtensor import torch_placements
-from .parallelisms.tensor import bind_collectives
 from .parallelisms.zero import plain_parameters
 
 
@@ -46,11 +46,11 @@ def lower(compiled, dm, model: nn.Module, source: weights.Source) -> Lowered:
     device = torch.device("cuda", torch.cuda.current_device()) if mdist.device_type() == "cuda" else torch.device("cpu")
     coords = compiled.mesh.coords(torch.distributed.get_rank())
     local = _local_stages(compiled, coords)
-    mine = set(compiled.traced.params) if compiled.stages is None else set().union(
-        *(compiled.stages.params[s] for s in local)
-    )  # fmt: skip
+    mine = set(compiled.traced.params)
+    if compiled.pipelined:
+        mine = set().union(*(compiled.stages.params[s] for s in local))
     compute = getattr(torch, compiled.options.precision.param)
-    if compiled.graph is None:
+    if isinstance(compiled.program, EagerStages):
         return _lower_eager(compiled, model, mine, local, source, device=device, compute=compute)
     plain = plain_parameters(compiled)
     sizes, at = compiled.axes.sizes, [coords[a] for a in compiled.axes.names]
@@ -71,8 +71,9 @@ def lower(compiled, dm, model: nn.Module, source: weights.Source) -> Lowered:
         set_attr(root, name, buffers[name])
     orders = {n: compiled.param_rank_order(n) for n in mine}
     source.finish({n: p for n, p in root.named_parameters()}, buffers, {n: o for n, o in orders.items() if o})
-    bind_collectives(root, compiled, {a: mdist.group(dm, a) for a in compiled.mesh.axis_names}, coords)
-    if compiled.stages is not None:
+    for spec in [*compiled.comms, *compiled.specials]:  # bound to process groups by the tensor step
+        root.add_module(spec.name, Pending(spec))
+    if isinstance(compiled.program, TracedStages):
         graphs = [compiled.stages.graphs[s] for s in local]
         modules = [_in_layers(compiled, fx.GraphModule(root, executable(g, device, plain))) for g in graphs]
         return Lowered(nn.ModuleList(modules), modules, local, device)  # the stages hold the parameters now
@@ -91,7 +92,7 @@ def _in_layers(compiled, gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _local_stages(compiled, coords: dict) -> list[int]:
-    if compiled.stages is None:
+    if not compiled.pipelined:
         return [0]
     pp_rank = coords[compiled.pp_axis]
     return [s for s, r in enumerate(compiled.schedule.placement) if r == pp_rank]

@@ -4,12 +4,14 @@
    insert the collectives: the whole plan, with no process yet, so every error is raised on
    every rank before any collective;
 2. lower (`lower.py`): this rank's shards of the model's own weights (or of `init=`'s), the
-   buffers and the collectives bound to the device mesh's process groups;
+   buffers, and the modules it runs (a stand-in for each collective);
 3. precision (`precision.py`): bf16/fp16 parameters, full-precision values kept for masters;
-4. recompute (`recompute.py`): activation checkpointing of each block;
-5. data and ZeRO (`parallelisms/data.py`, `parallelisms/zero.py`): the gradient sum over the
+4. tensor (`parallelisms/tensor.py`): the collectives and rank-dependent ops bound to the device
+   mesh's process groups;
+5. recompute (`recompute.py`): activation checkpointing of each block;
+6. data and ZeRO (`parallelisms/data.py`, `parallelisms/zero.py`): the gradient sum over the
    data axes, FSDP2 for ZeRO-2/3;
-6. schedule (`parallelisms/pipeline.py`): the stages under torch's pipeline schedule.
+7. schedule (`parallelisms/pipeline.py`): the stages under torch's pipeline schedule.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .lower import lower
 from .parallel import Parallel
 from .parallelisms.data import apply_data
 from .parallelisms.pipeline import apply_pipeline
+from .parallelisms.tensor import apply_tensor
 from .parallelisms.zero import apply_zero
 from .precision import apply_precision
 from .recompute import apply_recompute
@@ -59,11 +62,13 @@ def parallelize(
     dm = mdist.start(compiled.mesh, timeout=run.timeout)
     torch.manual_seed(run.seed)  # ranks holding the same values draw the same dropout masks (as Megatron)
     par = Parallel(compiled, lower(compiled, dm, model, source), dm)
-    apply_precision(par)
+    par.fp32_init = apply_precision(par)
+    apply_tensor(par)
     apply_recompute(par)
-    apply_data(par)
-    apply_zero(par, offload=run.offload, prefetch=run.prefetch)
-    apply_pipeline(par)
+    par.target_counts, par.loss_sum, par.grad_sync = apply_data(par)
+    par.fsdp_units, whole_sync = apply_zero(par, offload=run.offload, prefetch=run.prefetch)
+    par.grad_sync = par.grad_sync or whole_sync  # ZeRO-0's, or the parameters FSDP2 leaves whole
+    par.pipeline = apply_pipeline(par)
     return par
 
 

@@ -14,17 +14,18 @@ from ..torch_private import own_parameters
 from .parallelisms.zero import left_whole
 
 
-def apply_precision(par) -> None:
-    """Cast to the plan's compute dtype where it is bf16 or fp16; `par.fp32_init` keeps the values."""
+def apply_precision(par) -> dict[str, torch.Tensor]:
+    """Cast to the plan's compute dtype where it is bf16 or fp16; returns the full-precision values the
+    parameters had, by their FQN (the optimizer's masters start from them)."""
     opts = par.compiled.options
     compute = getattr(torch, opts.precision.param)
     if compute not in (torch.bfloat16, torch.float16):
-        return
+        return {}
     only = None
     if opts.zero >= 2:
         left = left_whole(par)
         only = {path for path, p in par.root.named_parameters() if id(p) in left}
-    par.fp32_init = par.canonical(cast_params(par.root, compute, only=only))
+    return par.canonical(cast_params(par.root, compute, only=only))
 
 
 def cast_params(module: nn.Module, dtype: torch.dtype, only: set[str] | None = None) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@ from ..modules.recompute import Recompute, gathers, keep_shards
 def apply_recompute(par) -> None:
     """Wrap every layer block in `Recompute` ("block": keep its inputs only; "selective": keep its
     collectives', projections' and attention's outputs too), in the graph or in each of this rank's
-    stages; and keep the all-gathered values backward needs as their shards (`modules.recompute.keeping_shards`)."""
+    stages; and keep the all-gathered values backward needs as their shards
+    (`modules.recompute.keeping_shards`)."""
     if any(gathers(spec) for spec in par.compiled.comms):  # sequence parallelism's all-gathers
         for module in par.stage_modules:
             keep_shards(module)

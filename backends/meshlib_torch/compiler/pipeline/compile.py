@@ -28,7 +28,7 @@ from ..capture.trace import Untraceable
 from ..estimates.dryrun import stage_peaks
 from ..estimates.records import dp_collectives, graph_collectives
 from ..graph import compile_graph
-from ..program import Compiled, fsdp_whole, model_state
+from ..program import Compiled, EagerStages, TracedStages, fsdp_whole, model_state
 from .costs import graph_costs, layer_costs, stage_ranges
 from .fqn_split import split_eager
 from .stages import build_stages, param_holders, rank_params
@@ -66,7 +66,7 @@ def compile_pipeline(
             model, reason=reason, mesh=mesh, call=micro, layers=layers, ranges=ranges, costs=costs, options=options,
             pp_axis=pp_axis, microbatches=microbatches,
         )  # fmt: skip
-        split = "by module FQN on the eager model"
+        split, eager = "by module FQN on the eager model", True
     else:
         costs = graph_costs(compiled, model, layers, by=balance)
         ranges = stage_ranges(costs, p * core.v, split_points=split_points)
@@ -74,14 +74,15 @@ def compile_pipeline(
             compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans, compiled.comms,
             compiled.input_layouts,
         )
-        split = f"by layer FQN on the {compiled.traced.path} graph"
+        split, eager = f"by layer FQN on the {compiled.traced.path} graph", False
     stages.costs = costs.of(ranges)
     stages.balance = balance if split_points is None else "user split points"
-    compiled.stages, compiled.schedule, compiled.microbatches, compiled.pp_axis = stages, core, microbatches, pp_axis
-    compiled.plan = _plan_with_stages(compiled, stages, core, layers, microbatches, pp_axis, split, estimate_memory)
+    program = EagerStages(stages, core) if eager else TracedStages(compiled.graph, stages, core)
+    compiled = dataclasses.replace(compiled, program=program, microbatches=microbatches, pp_axis=pp_axis)
+    plan = _plan_with_stages(compiled, stages, core, layers, microbatches, pp_axis, split, estimate_memory)
     if options.zero == 3:
-        compiled.plan = compiled.plan.replace(notes=compiled.plan.notes + (("ZeRO-3 in stages", GATHERED),))
-    return compiled
+        plan = plan.replace(notes=plan.notes + (("ZeRO-3 in stages", GATHERED),))
+    return dataclasses.replace(compiled, plan=plan)
 
 
 def _check_recompute(core, recompute: str) -> None:
@@ -118,7 +119,7 @@ def stage_memory(compiled, stages, core, estimate: bool = False) -> tuple[Memory
     """The memory of the ranks at each pp coordinate: the model state of the parameters their stages
     hold, and with `estimate` the dry run's peak of their part of the schedule (`dryrun.stage_peaks`)."""
     out = [model_state(compiled, held) for held in rank_params(stages, core.placement)]
-    if estimate and compiled.graph is not None:
+    if estimate and isinstance(compiled.program, TracedStages):
         held = [m.params + m.optimizer for m in out]
         grads = [model_state(compiled, names).grads for names in stages.params]
         peaks = stage_peaks(compiled, core, held, grads)
@@ -138,7 +139,7 @@ def stage_collectives(compiled, stages, core, m: int, pp_axis: str) -> list[Coll
     the last stage broadcasts the step's loss to every pp rank."""
     place = core.placement
     out: list[Collective] = []
-    if compiled.graph is not None:
+    if isinstance(compiled.program, TracedStages):
         for s, graph in enumerate(stages.graphs):
             mods = {n.target for n in graph.nodes if n.op == "call_module"}
             comms = [c for c in compiled.comms if c.name in mods]

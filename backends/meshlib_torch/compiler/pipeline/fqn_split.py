@@ -28,6 +28,7 @@ returns the loss.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -254,17 +255,17 @@ def split_eager(
             mod.to(compute)  # the activations' dtype as the runtime computes them
     canon, aliases = canonical_params(model)
     stages = _stages(modules, layers, ranges, local, names, aliases)
-    compiled = _compiled(model, reason, mesh, call, in_layouts, data, options, canon, aliases)
+    compiled = _compiled(model, reason, mesh, call, in_layouts, data, options, canon, aliases, stages)
     plan = compiled.plan
-    compiled.plan = plan.replace(collectives=plan.collectives + _loss_mean(stages, data, mesh, microbatches))
-    return compiled, stages
+    plan = plan.replace(collectives=plan.collectives + _loss_mean(stages, data, mesh, microbatches))
+    return dataclasses.replace(compiled, plan=plan), stages
 
 
-def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, data, options, canon, aliases):
+def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, data, options, canon, aliases, stages):
     """The `Compiled` of an eager model: every parameter replicated, gradients summed over `data`."""
     from ..capture.trace import Traced
     from ..estimates.records import with_data_parallel
-    from ..program import Compiled, model_state
+    from ..program import Compiled, EagerStages, model_state
 
     axes = Axes(mesh.axis_names, mesh.axis_sizes)
     layouts = {n: _annotate.spec_to_layout(P(), mesh) for n in canon}
@@ -274,11 +275,13 @@ def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, da
     placements = {n: tuple(map(repr, lay)) for n, lay in layouts.items()}
     plan = Plan(mesh, specs={n: P() for n in canon}, notes=notes, placements=placements)
     plan = with_data_parallel(plan, data, options)
-    compiled = Compiled(mesh, axes, None, traced, [], [], dict(plan.specs), layouts, in_layouts, call.names, plan)
-    compiled.data_axes, compiled.options, compiled.synced_params = data, options, synced
-    compiled.buffers = dict(model.named_buffers())
-    compiled.plan = plan.replace(memory=model_state(compiled))
-    return compiled
+    compiled = Compiled(
+        mesh=mesh, axes=axes, program=EagerStages(stages, None), traced=traced, comms=[], specials=[],
+        param_specs=dict(plan.specs), param_layouts=layouts, input_layouts=in_layouts, input_names=call.names,
+        plan=plan, options=options, buffers=dict(model.named_buffers()), data_axes=data,
+        synced_params=frozenset(synced),
+    )  # fmt: skip
+    return dataclasses.replace(compiled, plan=plan.replace(memory=model_state(compiled)))
 
 
 def _stages(modules, layers: list[str], ranges, local: tuple, names: list[str], aliases: dict) -> EagerStages:

@@ -16,12 +16,13 @@ counts the same number of targets.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ...compiler.placement.placements import Shard
-from ...compiler.program import deferred_loss
+from ...compiler.program import EagerStages, deferred_loss
 from ...torch_private import local_tensor
 from .. import dist as mdist
 from ..comm import COUNTER, CommCounter, local_slice
@@ -151,26 +152,48 @@ def target_counts(par) -> list[TargetCounts]:
     return out
 
 
-def apply_data(par) -> None:
+class DataSync(NamedTuple):
+    """What the data step adds: the losses that count their targets from the whole batch, the loss's
+    sum over a data axis the runtime runs beside backward, and ZeRO-0's gradient sum."""
+
+    target_counts: list[TargetCounts]
+    loss_sum: LossSum | None = None
+    grad_sync: GradSync | None = None
+
+
+class MeanOverRanks:
+    """The eager last stage's loss averaged over the data-parallel ranks (its `meshlib_cut.finish`)."""
+
+    def __init__(self, group, size: int, axis: str):
+        self.group, self.size, self.axis = group, size, axis
+
+    def __call__(self, loss: torch.Tensor) -> torch.Tensor:
+        return MeanOver.apply(loss, self.group, self.size, self.axis)
+
+
+def apply_data(par) -> DataSync:
     """ZeRO-0: a `GradSync` over the parameters whose gradients are partial sums over the data axes;
-    and the eager last stage's loss averaged over them."""
+    the loss's sum over a data axis; and the eager last stage's loss averaged over them."""
     compiled = par.compiled
-    par.target_counts = target_counts(par)
+    counts = target_counts(par)
     data = compiled.data_axes
     if not data:
-        return
+        return DataSync(counts)
     deferred = deferred_loss(compiled)
+    loss_sum = grad_sync = None
     if deferred is not None:
-        par.loss_sum = LossSum(deferred[0], mdist.group(par.device_mesh, deferred[1]), deferred[1])
+        loss_sum = LossSum(deferred[0], mdist.group(par.device_mesh, deferred[1]), deferred[1])
     group, axis = mdist.group(par.device_mesh, data), "_".join(data)
     if compiled.options.zero == 0:
         synced = {n: q for n, q in par.named_model_parameters().items() if n in compiled.synced_params}
-        par.grad_sync = GradSync(synced, group, axis, getattr(torch, compiled.options.precision.reduce))
-    last = len(compiled.stages.modules) - 1 if compiled.graph is None else None
+        grad_sync = GradSync(synced, group, axis, getattr(torch, compiled.options.precision.reduce))
+    last = len(compiled.stages.modules) - 1 if isinstance(compiled.program, EagerStages) else None
     if last is not None and last in par.local_stages:
         size = math.prod(compiled.mesh.axis_size(a) for a in data)
-        cut = par.stage_modules[par.local_stages.index(last)].meshlib_cut
-        cut.finish = lambda loss: MeanOver.apply(loss, group, size, axis)
+        par.stage_modules[par.local_stages.index(last)].meshlib_cut.finish = MeanOverRanks(group, size, axis)
+    return DataSync(counts, loss_sum, grad_sync)
 
 
-__all__ = ["GradSync", "LossSum", "MeanOver", "TargetCounts", "apply_data", "target_counts"]
+__all__ = [
+    "DataSync", "GradSync", "LossSum", "MeanOver", "MeanOverRanks", "TargetCounts", "apply_data", "target_counts",
+]  # fmt: skip

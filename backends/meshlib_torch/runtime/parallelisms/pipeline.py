@@ -29,6 +29,7 @@ from torch.distributed.pipelining import (
 from meshlib import schedule as core_schedule
 
 from ...compiler.pipeline.stages import boundary_values, param_holders
+from ...compiler.program import TracedStages
 from ...torch_private import local_tensor, runtime_schedule
 from .. import dist as mdist
 from ..comm import COUNTER
@@ -98,16 +99,16 @@ class PipelineRun:
                 COUNTER.record("backward", "all_reduce", "pp", g.numel() * g.element_size(), f"tied {name}")
 
 
-def apply_pipeline(par) -> None:
+def apply_pipeline(par) -> PipelineRun | None:
     """The schedule step of `parallelize`: this rank's stage modules as `PipelineStage`s, torch's schedule
     for the plan's, and a process group for each parameter two pp ranks share (call on every rank)."""
     compiled = par.compiled
-    if compiled.schedule is None:
-        return
+    if not compiled.pipelined:
+        return None
     core, stages_plan = compiled.schedule, compiled.stages
     group = mdist.group(par.device_mesh, compiled.pp_axis)
     device = par.device
-    traced = compiled.graph is not None
+    traced = isinstance(compiled.program, TracedStages)
     n = len(core.placement)
     stages = []
     for s, module in zip(par.local_stages, par.stage_modules, strict=True):
@@ -126,8 +127,9 @@ def apply_pipeline(par) -> None:
     for s, names in enumerate(stages_plan.params):
         for name in names:
             owners.setdefault(name, s)
-    par.pipeline = PipelineRun(stages, sched, core, group, par.local_stages, owners)
-    par.pipeline.tied = tied_groups(stages_plan, core, compiled, compiled.pp_axis)
+    run = PipelineRun(stages, sched, core, group, par.local_stages, owners)
+    run.tied = tied_groups(stages_plan, core, compiled, compiled.pp_axis)
+    return run
 
 
 def placement(name: str, p: int, v: int) -> tuple[int, ...]:

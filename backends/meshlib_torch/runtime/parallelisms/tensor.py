@@ -2,25 +2,43 @@
 
 The compiler placed every value and inserted each redistribution as a
 `CommSpec` and each rank-dependent op (the vocab-parallel embedding and loss)
-as a `SpecialSpec`. Here each becomes a module on the lowered root, on this
-rank's coordinates and its axes' process groups: a `Comm` (one c10d
-collective per axis that changes, counted) and the local op.
+as a `SpecialSpec`; lowering left a stand-in (`Pending`) for each in the
+modules this rank runs. Here each becomes the module that runs it on this
+rank's coordinates and its axes' process groups: a `Comm` (one c10d collective
+per axis that changes, counted) or the local op.
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
+from ...compiler.placement.placements import Pending
+from ...compiler.placement.redistribute import CommSpec
 from ...modules.special import special_module
+from .. import dist as mdist
 from ..comm import Comm, reducer
 
 
-def bind_collectives(root: nn.Module, compiled, groups: dict, coords: dict) -> None:
-    """Add the compiled collectives and rank-dependent ops to `root`, by the names the graph calls them."""
-    for spec in compiled.comms:
-        root.add_module(spec.name, Comm(spec, compiled.axes, groups, coords, mode=compiled.options.recompute))
-    for spec in compiled.specials:
-        root.add_module(spec.name, special_module(spec, coords, reducer(groups)))
+def apply_tensor(par) -> dict[str, nn.Module]:
+    """The tensor-parallel step: every stand-in in this rank's modules replaced by its collective or
+    rank-dependent op, bound to this rank's coordinates and process groups. Returns them by name."""
+    compiled = par.compiled
+    groups = {a: mdist.group(par.device_mesh, a) for a in compiled.mesh.axis_names}
+    coords = compiled.mesh.coords(dist.get_rank())
+
+    def bind(spec) -> nn.Module:
+        if isinstance(spec, CommSpec):
+            return Comm(spec, compiled.axes, groups, coords, mode=compiled.options.recompute)
+        return special_module(spec, coords, reducer(groups))
+
+    bound: dict[str, nn.Module] = {}
+    for module in par.stage_modules:
+        for parent in list(module.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Pending):
+                    setattr(parent, name, bound.setdefault(child.spec.name, bind(child.spec)))
+    return bound
 
 
-__all__ = ["bind_collectives"]
+__all__ = ["apply_tensor"]

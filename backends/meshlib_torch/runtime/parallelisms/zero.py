@@ -61,13 +61,14 @@ class CountedReduceScatter(_Alloc, ReduceScatter):
         return fn(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-def apply_zero(par, *, offload: bool, prefetch: bool) -> None:
+def apply_zero(par, *, offload: bool, prefetch: bool) -> tuple[list, GradSync | None]:
     """ZeRO-2/3: FSDP2 on each block and the root (with a pipeline: of each of this rank's stages); a
-    parameter FSDP2 leaves whole (`left_whole`) has its gradient summed by a `GradSync` instead."""
+    parameter FSDP2 leaves whole (`left_whole`) has its gradient summed by a `GradSync` instead. Returns
+    the FSDP2 units and that `GradSync`."""
     compiled = par.compiled
     opts, data = compiled.options, compiled.data_axes
     if opts.zero < 2:
-        return
+        return [], None
     reduce = getattr(torch, opts.precision.reduce)
     left = left_whole(par)  # before fully_shard replaces the parameters
     kinds = dict(
@@ -75,15 +76,16 @@ def apply_zero(par, *, offload: bool, prefetch: bool) -> None:
         shard_axes=tuple(a for a in data if a not in opts.replicate_axes), replicate_axes=opts.replicate_axes,
         param_dtype=getattr(torch, opts.precision.param), reduce_dtype=reduce, offload=offload, prefetch=prefetch,
     )  # fmt: skip
+    units = []
     for module in par.stage_modules:
         ignored = [p for p in module.parameters() if id(p) in left]
-        par.fsdp_units += apply_fsdp(
-            module, par.blocks(module), par.device_mesh, ignored=ignored, keep_gathered=compiled.stages is not None,
+        units += apply_fsdp(
+            module, par.blocks(module), par.device_mesh, ignored=ignored, keep_gathered=compiled.pipelined,
             **kinds,
         )  # fmt: skip
     whole = {n: p for n, p in par.named_model_parameters().items() if id(p) in left}
-    if whole:
-        par.grad_sync = GradSync(whole, mdist.group(par.device_mesh, data), "_".join(data), reduce)
+    sync = GradSync(whole, mdist.group(par.device_mesh, data), "_".join(data), reduce) if whole else None
+    return units, sync
 
 
 def left_whole(par) -> set[int]:
