@@ -7,6 +7,7 @@ torch backend, `meshlib_torch`, compiles and runs what the core declares.
 from ._backend import backend
 from .cost import ModelState, dp_comm_bytes, fsdp2_memory, min_max_partition, tp_comm_bytes, zero_level, zero_memory
 from .mesh import CANONICAL_AXES, Mesh
+from .options import Parallelism, Pipelining, Running
 from .plan import Boundary, Collective, Kept, Memory, Plan, Precision, Stage
 from .rules import LogicalRules, PatternRules, Rule, apply_rules, compose, dims, logical_rules, pattern_rules
 from .schedules import (
@@ -51,11 +52,14 @@ __all__ = [
     "ModelState",
     "NamedSharding",
     "P",
+    "Parallelism",
     "PartitionSpec",
     "PatternRules",
+    "Pipelining",
     "Plan",
     "Precision",
     "Rule",
+    "Running",
     "SCHEDULE_NAMES",
     "Schedule",
     "ShapeDtype",

@@ -23,6 +23,7 @@ import time
 from importlib.metadata import entry_points
 
 from .mesh import Mesh
+from .options import BALANCE, RECOMPUTE, Parallelism, Pipelining
 from .plan import Precision
 from .schedules import SCHEDULE_NAMES, resolve_schedule
 from .sharding import UNEVEN_POLICIES
@@ -56,6 +57,8 @@ your own model (meshlib plan --model package.module:factory):
                             token ids (batch, seq), also passed as targets=/labels= when the
                             forward takes one
   The forward returns the loss (or a dict or ModelOutput with "loss"), as compile_model says."""
+
+PAR, PIPE = Parallelism(), Pipelining()  # the options' defaults, defined once (`meshlib.options`)
 
 
 def version() -> str:
@@ -192,19 +195,20 @@ def _common(p: argparse.ArgumentParser, *, own_models: bool) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="master (full-precision) dtype")
     p.add_argument("--layers", type=_positive, default=None, help="override a bundled model's layer count")
     p.add_argument(
-        "--zero", default="0", choices=ZERO_CHOICES, metavar="{0,1,2,3,no_shard,shard_grad_op,full}",
+        "--zero", default=str(PAR.zero), choices=ZERO_CHOICES, metavar="{0,1,2,3,no_shard,shard_grad_op,full}",
         help="what is sharded over dp: 1 optimizer state, 2 and gradients, 3 and parameters",
     )  # fmt: skip
     p.add_argument(
         "--precision", default=None, type=_checked(Precision.parse, "precision"), metavar="PRECISION",
         help="compute dtype: fp32, bf16, fp16, or param=..,reduce=..,output=.. (default: the master dtype)",
     )  # fmt: skip
-    p.add_argument("--recompute", default="none", choices=["none", "block", "selective"], help="activation recompute")
+    p.add_argument("--recompute", default=PAR.recompute, choices=RECOMPUTE, help="activation recompute")
     p.add_argument(
-        "--microbatches", type=_positive, default=1, help="microbatches per step (pipeline, or accumulation)"
-    )
+        "--microbatches", type=_positive, default=PIPE.microbatches,
+        help="microbatches per step (pipeline, or accumulation)",
+    )  # fmt: skip
     p.add_argument(
-        "--schedule", default="1f1b", type=_checked(_schedule, "schedule"), metavar="SCHEDULE",
+        "--schedule", default=PIPE.schedule, type=_checked(_schedule, "schedule"), metavar="SCHEDULE",
         help=f"pipeline schedule: {', '.join(SCHEDULE_NAMES)} (any case; torch's class names too)",
     )  # fmt: skip
     p.add_argument("--chunks", type=_positive, default=None, help="pipeline stages per rank (interleaved schedules)")
@@ -212,9 +216,9 @@ def _common(p: argparse.ArgumentParser, *, own_models: bool) -> None:
         "--split-points", type=_split_points, default=None, metavar="I,J,..",
         help="layers where pipeline stages 2, 3, ... begin, e.g. 4,9,14 (default: balanced by --balance)",
     )  # fmt: skip
-    p.add_argument("--balance", default="flops", choices=["flops", "params"], help="pipeline stage cost to balance")
+    p.add_argument("--balance", default=PIPE.balance, choices=BALANCE, help="pipeline stage cost to balance")
     p.add_argument(
-        "--uneven", default="error", choices=UNEVEN_POLICIES,
+        "--uneven", default=PAR.uneven, choices=UNEVEN_POLICIES,
         help="a dim its axes do not divide: an error (JAX's rule), or torch.chunk's block sizes",
     )  # fmt: skip
     p.add_argument(

@@ -5,7 +5,7 @@
   inserts only the collectives it needs; no processes, no memory (meta models).
 - `parallelize(...)` builds the compiled model on a real DeviceMesh under
   torchrun: DTensor parameters made in their shards, NCCL or gloo collectives.
-- `Parallelism`, `Pipelining`, `Running`: their options, each defined once (or as keywords).
+- their options are `meshlib.Parallelism`, `Pipelining` and `Running`, each defined once (or keywords).
 - `COUNTER` counts the logical bytes each collective moves, per step and rank.
 - `checkpoint.save(path, par, opt, step=...)` / `checkpoint.load(path, par, opt)`
   write and read the whole training state with DCP, by the model's own names,
@@ -19,7 +19,6 @@ from . import cli  # noqa: E402,F401  (the `meshlib` command finds it here)
 from .compiler.compile import compile_model
 from .compiler.program import Compiled
 from .memtrack import PeakTracker
-from .options import Parallelism, Pipelining, Running
 from .runtime import checkpoint
 from .runtime.comm import COUNTER, CommCounter
 from .runtime.hub import export
@@ -28,6 +27,6 @@ from .runtime.parallel import Parallel
 from .runtime.parallelize import parallelize
 
 __all__ = [
-    "COUNTER", "CommCounter", "Compiled", "LossScaler", "MeshAdamW", "MeshOptimizer", "Parallel", "Parallelism",
-    "PeakTracker", "Pipelining", "Running", "checkpoint", "compile_model", "export", "parallelize",
+    "COUNTER", "CommCounter", "Compiled", "LossScaler", "MeshAdamW", "MeshOptimizer", "Parallel", "PeakTracker",
+    "checkpoint", "compile_model", "export", "parallelize",
 ]  # fmt: skip

@@ -15,8 +15,8 @@ import math
 import torch
 
 from meshlib import CANONICAL_AXES, Mesh, Precision
+from meshlib.options import Parallelism, Pipelining, gather
 
-from ..options import Parallelism, Pipelining, gather
 from .capture.call import Call, LossSpec, bind_call
 from .estimates.records import step_collectives
 from .graph import compile_graph
@@ -48,7 +48,7 @@ def compile_model(
     loss: the output itself, a dict's or `ModelOutput`'s `"loss"`, or what `loss=` picks (an
     index, key, attribute name or function of the output; see `compiler.capture.call`).
 
-    The options are `Parallelism`'s and `Pipelining`'s (`meshlib_torch.options`: each with its
+    The options are `Parallelism`'s and `Pipelining`'s (`meshlib.options`: each with its
     default and meaning), given as keywords (`zero=1, microbatches=4`) or as the values
     (`parallelism=Parallelism(zero=1)`). The data-parallel axes are those the inputs' batch dim is
     split over; the runtime sums gradients over them once per step, by ZeRO level. `estimate_memory`

@@ -17,9 +17,9 @@ import gc
 import torch
 
 from meshlib import Mesh
+from meshlib.options import Parallelism
 
 from ..modules.recompute import Remat, gathers
-from ..options import Parallelism
 from .capture.blocks import layer_paths, partition
 from .capture.call import Call
 from .capture.moe import check_not_moe

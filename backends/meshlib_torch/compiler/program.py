@@ -18,9 +18,9 @@ import torch.fx as fx
 
 from meshlib import Memory, Mesh, NamedSharding, P, Plan
 from meshlib.cost import fsdp2_memory, zero_memory
+from meshlib.options import Parallelism
 
 from ..modules.recompute import Remat
-from ..options import Parallelism
 from .capture.trace import Traced
 from .placement.annotate import check_single_axis_uneven, spec_to_layout
 from .placement.localize import SpecialSpec

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from meshlib import Mesh
+from meshlib.options import Parallelism, Pipelining, Running, gather
 
 from ..compiler.compile import compile_model
-from ..options import Parallelism, Pipelining, Running, gather
 from . import dist as mdist
 from . import weights as weights_mod
 from .lower import lower
@@ -44,7 +44,7 @@ def parallelize(
     The model is called as `model(*example_inputs, **example_kwargs)` on the global batch (see
     `compile_model`, which also says how `loss=` picks the loss); the result trains with
     `train_step(batch, opt)` on any mesh. The options are `Parallelism`'s, `Pipelining`'s and
-    `Running`'s (`meshlib_torch.options`), as keywords or as the values. Weights: a model with
+    `Running`'s (`meshlib.options`), as keywords or as the values. Weights: a model with
     real parameters trains from them; each rank keeps its shard, the model's whole copy of each
     parameter is released as it is taken (the model is left on the meta device: a rank's peak
     while building is the model plus one parameter's shard), and every rank must be given the

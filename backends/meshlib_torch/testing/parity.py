@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshlib import Mesh, Precision
+from meshlib import Mesh, Parallelism, Pipelining, Precision, Running
 
 from .. import data, models
 from ..runtime.hub import export, load_into
@@ -35,6 +35,9 @@ TOLERANCE = {
 }
 
 
+_PAR, _PIPE, _RUN = Parallelism(), Pipelining(), Running()  # the options' defaults, defined once
+
+
 @dataclass
 class RunConfig:
     model: str = "gpt-tiny"
@@ -45,20 +48,21 @@ class RunConfig:
     dtype: str = "float64"
     lr: float = 1e-2
     seed: int = 0
-    sequence_parallel: bool = False
     overrides: dict = field(default_factory=dict)
-    zero: int = 0
     precision: str = ""  # "" computes in `dtype`; else e.g. "bf16" (meshlib.Precision.parse)
-    recompute: str = "none"
-    microbatches: int = 1
-    replicate_axes: tuple = ()
-    idle_axes: tuple = ()  # mesh axes nothing is split over, replicated on purpose
-    uneven: str = "error"  # "chunk": dims that do not divide are cut in torch.chunk's sizes
-    offload: bool = False
-    schedule: str = "1f1b"  # with a pp axis in the mesh
-    chunks: int | None = None
-    split_points: tuple[int, ...] | None = None  # layers where pipeline stages begin (default: by `balance`)
-    balance: str = "flops"  # pipeline stage cost: "flops" or "params"
+    # the parallelize options a run may set (their meanings and checks: meshlib.options)
+    sequence_parallel: bool = _PAR.sequence_parallel
+    zero: int = _PAR.zero
+    recompute: str = _PAR.recompute
+    replicate_axes: tuple = _PAR.replicate_axes
+    idle_axes: tuple = _PAR.idle_axes
+    uneven: str = _PAR.uneven
+    offload: bool = _RUN.offload
+    microbatches: int = _PIPE.microbatches
+    schedule: str = _PIPE.schedule
+    chunks: int | None = _PIPE.chunks
+    split_points: tuple[int, ...] | None = _PIPE.split_points
+    balance: str = _PIPE.balance
     model_class: type | None = None  # built instead of the bundled model's class (same config), e.g. a test's variant
     weights: str | None = None  # a checkpoint to start from (safetensors or DCP), instead of the model's init
     export: str | None = None  # after training, write the model there as Hugging Face safetensors

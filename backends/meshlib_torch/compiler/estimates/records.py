@@ -17,8 +17,8 @@ import re
 import torch
 
 from meshlib import Collective, Plan
+from meshlib.options import Parallelism
 
-from ...options import Parallelism
 from ...torch_private import OpOverload
 from ..capture.source import source_line
 from ..capture.trace import Traced

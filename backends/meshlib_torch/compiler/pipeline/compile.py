@@ -19,9 +19,9 @@ from torch import nn
 
 from meshlib import Collective, Memory, Stage
 from meshlib import schedule as core_schedule
+from meshlib.options import Parallelism, Pipelining
 from meshlib.schedules import resolve_schedule
 
-from ...options import Parallelism, Pipelining
 from ..capture.blocks import layer_paths
 from ..capture.call import Call
 from ..capture.trace import Untraceable

@@ -39,9 +39,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from meshlib import Boundary, Collective, Mesh, P, Plan
+from meshlib.options import Parallelism
 from meshlib.sharding import UNEVEN_FIX
 
-from ...options import Parallelism
 from ...torch_private import pytree
 from ..attrs import canonical_params
 from ..capture.call import Call, pick_loss

@@ -1,4 +1,5 @@
-"""The options of `compile_model` and `parallelize`, each defined once: its default, its meaning, its check.
+"""The options of the backend's `compile_model` and `parallelize`, each defined once: its default, its
+meaning, its check. Pure: the core's command line reads its choices and defaults here too.
 
 They come as three values, as torchtitan's job config groups its parallelism settings:
 
@@ -20,10 +21,11 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
-from meshlib import P, Precision
-from meshlib.cost import zero_level
-from meshlib.schedules import resolve_schedule
-from meshlib.sharding import UNEVEN_POLICIES
+from .cost import zero_level
+from .plan import Precision
+from .schedules import resolve_schedule
+from .sharding import UNEVEN_POLICIES
+from .spec import P
 
 RECOMPUTE = ("none", "block", "selective")
 BALANCE = ("flops", "params")
