@@ -24,6 +24,7 @@ so selective recompute adds no communication to it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import weakref
 from dataclasses import dataclass
@@ -99,6 +100,15 @@ class _Both:
         return self.stack.__exit__(*exc)
 
 
+# torch 2.15 asks whether tensors selective checkpointing saves go through the saved-tensor hooks around
+# it (`keeping_shards`'): not here, as in the torch releases that lack the choice (what SAC saves are
+# outputs of projections and attention, never an all-gathered value kept as its shard)
+_SAC_HOOKS = (
+    {"respect_saved_tensors_hooks": False} if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+    else {}
+)  # fmt: skip
+
+
 class Recompute(nn.Module):
     """Run `block` under activation checkpointing (`mode`: "block" or "selective")."""
 
@@ -107,7 +117,9 @@ class Recompute(nn.Module):
         self.block, self.mode = block, mode
 
     def forward(self, *args):
-        return checkpoint(self.block, *args, use_reentrant=False, context_fn=partial(_contexts, self.mode))
+        return checkpoint(
+            self.block, *args, use_reentrant=False, context_fn=partial(_contexts, self.mode), **_SAC_HOOKS
+        )
 
 
 @dataclass(frozen=True)
