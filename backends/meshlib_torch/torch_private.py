@@ -77,6 +77,14 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def sac_saves_bypass_hooks(forward_context) -> None:
+    """Tell torch's selective checkpointing that the tensors it saves bypass saved-tensor hooks around it,
+    its behaviour before torch 2.15 asked (and warned): set on SAC's forward context, which `checkpoint`
+    sets only when handed that context itself, not one that wraps it with others."""
+    if hasattr(forward_context, "respect_saved_tensors_hooks"):
+        forward_context.respect_saved_tensors_hooks = False
+
+
 def in_backward() -> bool:
     """True while autograd runs a backward pass (FSDP2's gathers are counted by phase)."""
     return torch._C._current_graph_task_id() != -1
@@ -125,8 +133,9 @@ def make_wrapper_subclass(cls, shape, *, dtype, device):
 
 
 __all__ = [
-    "AllGather", "FX_ASSERTS", "FakeTensorMode", "HigherOrderOperator", "OpOverload", "ReduceScatter", "StridedShard",
-    "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "in_backward", "local_tensor",
-    "make_wrapper_subclass", "own_buffers", "own_parameters", "pipeline_keeps_grad_buffers", "pytree",
-    "runtime_schedule", "shard_size_and_offsets", "storage_key", "view_base", "world_timeout",
+    "AllGather", "FX_ASSERTS", "FakeTensorMode", "HigherOrderOperator", "OpOverload", "ReduceScatter",
+    "StridedShard", "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "in_backward",
+    "local_tensor", "make_wrapper_subclass", "own_buffers", "own_parameters", "pipeline_keeps_grad_buffers",
+    "pytree", "runtime_schedule", "sac_saves_bypass_hooks", "shard_size_and_offsets", "storage_key", "view_base",
+    "world_timeout",
 ]  # fmt: skip

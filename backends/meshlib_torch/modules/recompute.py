@@ -24,7 +24,6 @@ so selective recompute adds no communication to it.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 import weakref
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..torch_private import view_base
+from ..torch_private import sac_saves_bypass_hooks, view_base
 
 aten = torch.ops.aten
 
@@ -84,6 +83,9 @@ def _contexts(mode: str):
     if mode != "selective":
         return mine
     sac = create_selective_checkpoint_contexts(_policy)
+    # what SAC saves (projections' and attention's outputs, never an all-gathered value kept as its shard)
+    # bypasses the saved-tensor hooks around it (`keeping_shards`'), as torch did before it asked
+    sac_saves_bypass_hooks(sac[0])
     return _Both(sac[0], mine[0]), _Both(sac[1], mine[1])
 
 
@@ -100,15 +102,6 @@ class _Both:
         return self.stack.__exit__(*exc)
 
 
-# torch 2.15 asks whether tensors selective checkpointing saves go through the saved-tensor hooks around
-# it (`keeping_shards`'): not here, as in the torch releases that lack the choice (what SAC saves are
-# outputs of projections and attention, never an all-gathered value kept as its shard)
-_SAC_HOOKS = (
-    {"respect_saved_tensors_hooks": False} if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
-    else {}
-)  # fmt: skip
-
-
 class Recompute(nn.Module):
     """Run `block` under activation checkpointing (`mode`: "block" or "selective")."""
 
@@ -117,9 +110,7 @@ class Recompute(nn.Module):
         self.block, self.mode = block, mode
 
     def forward(self, *args):
-        return checkpoint(
-            self.block, *args, use_reentrant=False, context_fn=partial(_contexts, self.mode), **_SAC_HOOKS
-        )
+        return checkpoint(self.block, *args, use_reentrant=False, context_fn=partial(_contexts, self.mode))
 
 
 @dataclass(frozen=True)
