@@ -1,0 +1,150 @@
+"""Per-shard programs written once for both sides, and the rank jobs that run them on meshlib.
+
+Each program is a factory `program(lax, ops, **kw) -> f`: `lax` is `jax.lax` or `meshlib_torch.lax`
+(same names, same arguments), `ops` a few array functions of each side (`TORCH_OPS` here, the JAX
+ones in the test). The jobs run on gloo ranks from `testing.pool` and import no jax: workers stay
+light. Inputs and cotangents come from the parent, so both sides see the same numbers.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import optree
+
+
+class Case(NamedTuple):
+    name: str
+    program: str  # a factory in this module
+    kw: dict
+    inputs: Any  # a tuple (the arguments) of global shapes, or trees of them
+    in_specs: Any
+    out_specs: Any
+    grad: bool = True
+
+
+# -- the programs ---------------------------------------------------------------------------------
+def reduce(lax, ops, *, op, ax):
+    return lambda x: getattr(lax, op)(ops.tanh(x), ax)
+
+
+def gather(lax, ops, *, ax, axis=0, tiled=False, to="varying"):
+    return lambda x: lax.all_gather(ops.tanh(x), ax, axis=axis, tiled=tiled, to=to)
+
+
+def scatter(lax, ops, *, ax, dim=0, tiled=False):
+    return lambda x: lax.psum_scatter(x * x, ax, scatter_dimension=dim, tiled=tiled)
+
+
+def a2a(lax, ops, *, ax, split, concat, tiled=False):
+    return lambda x: lax.all_to_all(x * x, ax, split, concat, tiled=tiled)
+
+
+def a2a_expanded(lax, ops, *, ax, split, concat):
+    """Untiled all_to_all written as jax's `all_to_all` defines it (a new dim, a tiled exchange, a squeeze):
+    the gradient oracle, since jax 0.10's transpose of the untiled form with split != concat fails
+    ("Expected cotangent type float64[4,3,1] but got float64[4,1,3]")."""
+
+    def f(x):
+        s, c = (split, concat + 1) if split < concat else (split + 1, concat)
+        y = lax.all_to_all(ops.expand(x * x, c), ax, s, c, tiled=True)
+        return ops.squeeze(y, s)
+
+    return f
+
+
+def ring(lax, ops, *, ax, n):
+    """A ring all-reduce by hand: n-1 ppermutes, each rank adding what it receives (weighted, so the
+    gradient tells the hops apart)."""
+
+    def f(x):
+        acc, y = x, x
+        for hop in range(1, n):
+            y = lax.ppermute(y, ax, [(j, (j + 1) % n) for j in range(n)])
+            acc = acc + y * (1.0 + hop)
+        return acc
+
+    return f
+
+
+def shift(lax, ops, *, ax, perm):
+    return lambda x: lax.ppermute(ops.tanh(x), ax, perm)
+
+
+def megatron(lax, ops, *, tp):
+    """Column-parallel then row-parallel linear: one psum forward; the input's gradient summed over tp
+    by the implicit pvary of x, not by psum's backward."""
+    return lambda x, w1, w2: lax.psum(ops.relu(x @ w1) @ w2, tp)
+
+
+def sequence_parallel(lax, ops, *, tp):
+    """Megatron with sequence parallelism: a tiled all_gather of the sequence, then psum_scatter back."""
+
+    def f(x, w1, w2):
+        h = lax.all_gather(x, tp, axis=0, tiled=True)
+        return lax.psum_scatter(ops.relu(h @ w1) @ w2, tp, scatter_dimension=0, tiled=True)
+
+    return f
+
+
+def index_scale(lax, ops, *, ax):
+    return lambda x: x * (ops.like(lax.axis_index(ax), x) + 1.0)
+
+
+def invariant_psum(lax, ops, *, ax):
+    return lambda w: lax.psum(w * w, ax)
+
+
+def pcast_use(lax, ops, *, ax):
+    return lambda w, x: lax.pcast(w, ax, to="varying") * x
+
+
+def tree_io(lax, ops, *, ax):
+    return lambda d: {"s": lax.psum(ops.tanh(d["a"]), ax), "c": d["b"] * 2.0 + lax.pmean(d["a"], ax)}
+
+
+def mean_by_size(lax, ops, *, ax):
+    return lambda x: lax.psum(x * x, ax) / lax.axis_size(ax)
+
+
+def two_level(lax, ops, *, outer, inner):
+    """psum over a tuple of axes, then an invariant gather over another."""
+    return lambda x: lax.all_gather(lax.psum(x, outer), inner, axis=1, tiled=True, to="invarying")
+
+
+# -- the jobs (on every rank) ---------------------------------------------------------------------
+def torch_ops():
+    import torch
+
+    return SimpleNamespace(
+        relu=torch.relu, tanh=torch.tanh, like=lambda i, x: i.to(x.dtype), expand=torch.unsqueeze, squeeze=torch.squeeze
+    )
+
+
+def _tensors(tree, grad: bool):
+    import torch
+
+    return optree.tree_map(lambda a: torch.tensor(a, requires_grad=grad and a.dtype.kind == "f"), tree)
+
+
+def run_cases(mesh, cases: list[Case], inputs: list, cts: list) -> list[dict]:
+    """Each case on this rank: its results made whole, and the whole gradients of sum(result * ct)."""
+    import torch
+
+    from meshlib_torch import lax, shard_map
+
+    out = []
+    for case, xs, ct in zip(cases, inputs, cts):
+        f = shard_map(
+            globals()[case.program](lax, torch_ops(), **case.kw),
+            mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs,
+        )  # fmt: skip
+        args = _tensors(xs, case.grad)
+        results = [r.full_tensor() for r in optree.tree_leaves(f(*args))]
+        row = {"out": [r.detach().numpy() for r in results]}
+        if case.grad:
+            sum((r * torch.from_numpy(c)).sum() for r, c in zip(results, ct)).backward()
+            row["grad"] = [a.grad.numpy() if a.grad is not None else None for a in optree.tree_leaves(args)]
+        out.append(row)
+    return out
