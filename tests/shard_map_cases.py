@@ -113,13 +113,112 @@ def two_level(lax, ops, *, outer, inner):
     return lambda x: lax.all_gather(lax.psum(x, outer), inner, axis=1, tiled=True, to="invarying")
 
 
+# -- wrong programs: each breaks its out spec's promise over one axis -----------------------------------
+class Wrong(NamedTuple):
+    name: str
+    program: str
+    inputs: tuple
+    in_specs: Any
+    out_specs: Any
+    path: str  # the result check_vma must name
+    axis: str  # the axis it must name
+    differs: bool = True  # the ranks really disagree (False: only the type is wrong, as all_gather's)
+    jax_refuses: bool = True
+
+
+def no_psum(lax, ops):
+    return lambda x, w1, w2: ops.relu(x @ w1) @ w2
+
+
+def psum_wrong_axis(lax, ops):
+    return lambda x, w1, w2: lax.psum(ops.relu(x @ w1) @ w2, "dp")
+
+
+def plus_index(lax, ops):
+    return lambda x: x + ops.like(lax.axis_index("tp"), x)
+
+
+def scatter_as_whole(lax, ops):
+    return lambda x: lax.psum_scatter(x, "tp", tiled=True)
+
+
+def gather_varying(lax, ops):
+    return lambda x: lax.all_gather(x, "tp", tiled=True)
+
+
+def permuted(lax, ops):
+    return lambda x: lax.ppermute(x, "tp", [(0, 1), (1, 0)])
+
+
+def exchanged(lax, ops):
+    return lambda x: lax.all_to_all(x, "tp", 0, 0, tiled=True)
+
+
+def pmax_one_axis(lax, ops):
+    return lambda x: lax.pmax(x, "tp")
+
+
+def dp_loss_no_pmean(lax, ops):
+    return lambda x: (x * x).sum()
+
+
+def bias_on_shard(lax, ops):
+    return lambda x, b: ops.tanh(x + b)
+
+
+def psum_half_tuple(lax, ops):
+    return lambda x: lax.psum(x, "dp")
+
+
+def local_sum_of_split_dim(lax, ops):
+    return lambda x: x.sum(1)
+
+
+def pcast_as_whole(lax, ops):
+    return lambda w: lax.pcast(w, "tp", to="varying") * 2.0
+
+
+def dict_one_wrong(lax, ops):
+    return lambda x: {"aux": lax.psum(x, ("dp", "tp")), "loss": lax.psum((x * x).sum(0), "dp")}
+
+
+def local_mean(lax, ops):
+    return lambda x: x.mean(0)
+
+
+def index_tuple(lax, ops):
+    return lambda x: x * ops.like(lax.axis_index(("dp", "tp")), x)
+
+
+def second_output(lax, ops):
+    return lambda x: (lax.psum(x, "tp"), x * 2.0)
+
+
+def gather_other_axis(lax, ops):
+    return lambda x: lax.all_gather(x, "dp", tiled=True, to="invarying")
+
+
+def ragged_as_whole(lax, ops):
+    """Rank s sends its row j to rank j of tp, where it lands at row s. The output buffer is a fresh zeros
+    (invariant), which is all jax 0.10 types the result by: jax accepts out spec P(); meshlib refuses."""
+
+    def f(x):
+        one = ops.ones_int(2)
+        me = ops.like_int(lax.axis_index("tp"), one)
+        return lax.ragged_all_to_all(x, ops.zeros(x), ops.arange_int(2), one, one * me, one, axis_name="tp")
+
+    return f
+
+
 # -- the jobs (on every rank) ---------------------------------------------------------------------
 def torch_ops():
     import torch
 
     return SimpleNamespace(
-        relu=torch.relu, tanh=torch.tanh, like=lambda i, x: i.to(x.dtype), expand=torch.unsqueeze, squeeze=torch.squeeze
-    )
+        relu=torch.relu, tanh=torch.tanh, like=lambda i, x: i.to(x.dtype), expand=torch.unsqueeze, squeeze=torch.squeeze,
+        ones_int=lambda n: torch.ones(n, dtype=torch.int32), arange_int=lambda n: torch.arange(n, dtype=torch.int32),
+        like_int=lambda i, x: i.to(x.dtype), zeros=lambda x: torch.zeros(x.shape, dtype=x.dtype),
+    )  # fmt: skip
 
 
 def _tensors(tree, grad: bool):
@@ -146,5 +245,44 @@ def run_cases(mesh, cases: list[Case], inputs: list, cts: list) -> list[dict]:
         if case.grad:
             sum((r * torch.from_numpy(c)).sum() for r, c in zip(results, ct)).backward()
             row["grad"] = [a.grad.numpy() if a.grad is not None else None for a in optree.tree_leaves(args)]
+        out.append(row)
+    return out
+
+
+def wrong_job(mesh, wrong: list[Wrong], inputs: list) -> list[dict]:
+    """Each wrong program under shard_map (refused: the message, and how many collectives ran first) and
+    under torch's local_map with the same placements (this rank's values, which it returns silently)."""
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.experimental import local_map
+
+    from meshlib_torch import COUNTER, lax, shard_map
+    from meshlib_torch.runtime import dist
+    from meshlib_torch.spmd.eager import EagerBackend
+    from meshlib_torch.spmd.region import Region
+    from meshlib_torch.spmd.specs import placements
+
+    dm = dist.device_mesh(mesh)
+    out = []
+    for w, xs in zip(wrong, inputs):
+        f = globals()[w.program](lax, torch_ops())
+        args = [torch.tensor(a) for a in xs]
+        calls = COUNTER.calls
+        try:
+            shard_map(f, mesh=mesh, in_specs=w.in_specs, out_specs=w.out_specs)(*args)
+            refused = None
+        except ValueError as err:
+            refused = str(err)
+        row = {"refused": refused, "collectives": COUNTER.calls - calls}
+        specs = w.in_specs if isinstance(w.in_specs, tuple) else (w.in_specs,) * len(args)
+        outs = optree.tree_leaves(w.out_specs, none_is_leaf=True)
+        mapped = local_map(
+            f, out_placements=tuple(tuple(placements(s, mesh)) for s in outs),
+            in_placements=tuple(tuple(placements(s, mesh)) for s in specs), device_mesh=dm,
+        )  # fmt: skip
+        region = Region(mesh, EagerBackend(mesh, dm), check_vma=False)  # our collectives, on plain c10d
+        with region.entered():
+            result = mapped(*[distribute_tensor(a, dm, placements(s, mesh)) for a, s in zip(args, specs)])
+        row["local"] = [r.to_local().numpy() for r in optree.tree_leaves(result)]
         out.append(row)
     return out

@@ -40,7 +40,8 @@ def _start(op: str, axis_name, axis_index_groups=None) -> tuple[Region, Axes, Ca
     region = current(op)
     if axis_index_groups is not None:
         raise ValueError(f"lax.{op}: axis_index_groups is not supported. Fix: give the axes as a mesh of their own")
-    return region, region.axes(axis_name, op), Call(op, user_line())
+    call = Call(op, user_line())
+    return region, region.axes(axis_name, op, call.source), call
 
 
 def _operand(region: Region, x, axes: Axes, call: Call, op: str) -> torch.Tensor:

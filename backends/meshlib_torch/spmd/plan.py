@@ -111,10 +111,11 @@ def check_outputs(outs: list[Leaf], mesh: Mesh, check_vma: bool, name: str) -> N
 
 def _vma_error(o: Leaf, extra: list[str]) -> str:
     axes = ", ".join(repr(a) for a in extra)
+    name = repr(extra[0]) if len(extra) == 1 else repr(tuple(extra))
     return (
         f"  {o.path}: out spec {o.spec!r} leaves out {axes}, but {o.path} varies over {axes} "
-        f"(varying axes {sorted(vma(o.value))}). Fix for {o.path}: lax.psum(..., {extra[0]!r}) if its shards "
-        f"are partial sums, or an out spec naming {extra[0]!r}"
+        f"(varying axes {sorted(vma(o.value))}). Fix for {o.path}: lax.psum(..., {name}) if its shards "
+        f"are partial sums, or an out spec naming {axes}"
     )
 
 

@@ -49,14 +49,15 @@ class Region:
         """True on meta tensors: shapes and records only, nothing moves."""
         return self.backend.abstract
 
-    def axes(self, axis_name, op: str) -> Axes:
-        """`axis_name` (a name or a tuple of names) checked against the mesh, for `lax.<op>`."""
+    def axes(self, axis_name, op: str, source: str = "") -> Axes:
+        """`axis_name` (a name or a tuple of names) checked against the mesh, for `lax.<op>` at `source`."""
         names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
         unknown = [a for a in names if a not in self.mesh.axis_names]
         if not names or unknown or len(set(names)) != len(names):
             what = f"unknown axis {unknown[0]!r}" if unknown else "no axis, or an axis twice"
             raise ValueError(
-                f"lax.{op}(..., axis_name={axis_name!r}): {what}; the shard_map's mesh has axes "
+                f"lax.{op}(..., axis_name={axis_name!r}){' at ' + source if source else ''}: {what}; the shard_map's "
+                f"mesh has axes "
                 f"{self.mesh.axis_names}. Fix: name one of them, or a tuple of distinct ones"
             )
         return Axes(names, math.prod(self.mesh.axis_size(a) for a in names))

@@ -55,12 +55,19 @@ def match(specs, tree, root: str, what: str, fn_name: str) -> tuple[list[Leaf], 
     try:
         flat_specs = optree.broadcast_prefix(specs, tree, none_is_leaf=True)
     except ValueError as err:
+        why = str(err).split("; ")[:2]  # optree's reason, without its dump of the values
+        shapes = optree.tree_map(_short, tree, none_is_leaf=True)
         raise ValueError(
-            f"shard_map({fn_name}): {what} do not match {root}: {err} {what} is a tree prefix of {root} "
-            f"(a P per leaf, or one P for a whole subtree). Fix: give {what} the structure of {root}"
+            f"shard_map({fn_name}): {what} do not match {root}: {'; '.join(why)}. {what} is {specs!r}, {root} is "
+            f"{shapes}; {what} must be a tree prefix of {root} (a P per leaf, or one P for a whole subtree). "
+            f"Fix: give {what} the structure of {root}"
         ) from None
     paths, leaves, treedef = optree.tree_flatten_with_path(tree, none_is_leaf=True)
     return [Leaf(path_str(root, p), v, s) for p, v, s in zip(paths, leaves, flat_specs)], treedef
+
+
+def _short(x) -> str:
+    return f"Tensor{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def local_shape(leaf: Leaf, shape: tuple[int, ...], mesh: Mesh, fn_name: str) -> tuple[int, ...]:
