@@ -22,6 +22,7 @@ class Case(NamedTuple):
     in_specs: Any
     out_specs: Any
     grad: bool = True
+    check_vma: bool = True
 
 
 # -- the programs ---------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ def run_cases(mesh, cases: list[Case], inputs: list, cts: list) -> list[dict]:
     for case, xs, ct in zip(cases, inputs, cts):
         f = shard_map(
             globals()[case.program](lax, torch_ops(), **case.kw),
-            mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs,
+            mesh=mesh, in_specs=case.in_specs, out_specs=case.out_specs, check_vma=case.check_vma,
         )  # fmt: skip
         args = _tensors(xs, case.grad)
         results = [r.full_tensor() for r in optree.tree_leaves(f(*args))]
@@ -286,3 +287,132 @@ def wrong_job(mesh, wrong: list[Wrong], inputs: list) -> list[dict]:
         row["local"] = [r.to_local().numpy() for r in optree.tree_leaves(result)]
         out.append(row)
     return out
+
+
+def dtensor_job(mesh) -> dict:
+    """DTensors in (laid out as their specs say, or not: redistributed; partial sums too) and out, and
+    their gradients made whole, beside the same math in one process."""
+    import torch
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    from meshlib import P
+    from meshlib_torch import lax, shard_map
+    from meshlib_torch.runtime import dist
+
+    dm = dist.device_mesh(mesh)
+    gen = torch.Generator().manual_seed(7)
+    x, w1, w2 = (torch.randn(shape, generator=gen, dtype=torch.float64) for shape in ((4, 6), (6, 8), (8, 6)))
+    leaves = [
+        distribute_tensor(x, dm, [Shard(0), Replicate()]),  # as P("dp") lays it out
+        distribute_tensor(w1, dm, [Replicate(), Replicate()]),  # P(None, "tp"): cut on the way in
+        distribute_tensor(w2, dm, [Replicate(), Shard(1)]),  # P("tp", None): resharded from dim 1 to 0
+    ]
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    mlp = shard_map(
+        megatron(lax, torch_ops(), tp="tp"), mesh=mesh, in_specs=(P("dp"), P(None, "tp"), P("tp", None)),
+        out_specs=P("dp"),
+    )  # fmt: skip
+    y = mlp(*leaves)
+    scale = shard_map(lambda y: y * (lax.axis_index("tp") + 1.0), mesh=mesh, in_specs=P("dp"), out_specs=P("dp", "tp"))
+    z = scale(y)  # a shard_map's DTensor result straight into another
+    z.full_tensor().pow(2).sum().backward()
+    refs = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    ry = torch.relu(refs[0] @ refs[1]) @ refs[2]
+    rz = torch.cat([ry * (k + 1.0) for k in range(mesh.axis_size("tp"))], 1)
+    rz.pow(2).sum().backward()
+    partial = distribute_tensor(x, dm, [Replicate(), Replicate()])
+    partial = type(partial).from_local(partial.to_local() / 2, dm, [Replicate(), Partial()], run_check=False)
+    whole = shard_map(lambda v: v * 1.0, mesh=mesh, in_specs=P(), out_specs=P())(partial)
+    strided = shard_map(lambda v: v * 1.0, mesh=mesh, in_specs=P(("tp", "dp")), out_specs=P(("tp", "dp")))(leaves[0])
+    return {
+        "y": (tuple(y.placements), torch.allclose(y.full_tensor(), ry)),
+        "z": (tuple(z.placements), torch.allclose(z.full_tensor(), rz)),
+        "grads": [torch.allclose(t.grad.full_tensor(), r.grad, rtol=1e-12, atol=1e-12) for t, r in zip(leaves, refs)],
+        "grad placements": [tuple(t.grad.placements) == tuple(t.placements) for t in leaves],
+        "partial in": torch.allclose(whole.full_tensor(), x),
+        "strided": (tuple(strided.placements), strided.to_local().tolist(), torch.equal(strided.full_tensor(), x)),
+        "x": x.tolist(),
+    }
+
+
+# -- ragged all-to-all: a single-process reference of jax's documented semantics -------------------------
+def ragged_problem(n: int, per: int, rows: int, width: int, seed: int) -> dict:
+    """Every rank's operand, output buffer, offsets and sizes (numpy), consistent as jax requires:
+    `recv_sizes` on rank r, slot s*per+j, is `send_sizes` on rank s, slot r*per+j; received slices are
+    packed on each receiver with a gap of one row after each, at the offsets the senders are told."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    send = rng.integers(0, 3, size=(n, n * per))
+    starts = np.zeros_like(send)
+    for r in range(n):  # each slice after the last, with a one-row gap
+        starts[r] = np.concatenate([[0], np.cumsum(send[r] + 1)[:-1]])
+    recv = np.zeros_like(send)
+    lands = np.zeros_like(send)  # on the sender: where its slice lands on the receiver
+    for r in range(n):
+        at = 0
+        for s in range(n):
+            for j in range(per):
+                recv[r, s * per + j] = send[s, r * per + j]
+                lands[s, r * per + j] = at
+                at += send[s, r * per + j] + 1
+    return {
+        "operand": rng.standard_normal((n * rows, width)), "output": rng.standard_normal((n * rows, width)),
+        "input_offsets": starts.reshape(-1).astype(np.int32), "send_sizes": send.reshape(-1).astype(np.int32),
+        "output_offsets": lands.reshape(-1).astype(np.int32), "recv_sizes": recv.reshape(-1).astype(np.int32),
+    }  # fmt: skip
+
+
+RAGGED_ARGS = ("operand", "output", "input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+
+
+def ragged_reference(problem: dict, n: int, ct):
+    """jax.lax.ragged_all_to_all's docstring, literally, on all ranks in one process; with torch autograd
+    for the gradients of sum(result * ct)."""
+    import torch
+
+    t = {k: torch.tensor(problem[k]) for k in RAGGED_ARGS}
+    operand, output = (t[k].clone().requires_grad_() for k in ("operand", "output"))
+    ops_, outs = operand.chunk(n), output.chunk(n)
+    io, ss, oo = (t[k].view(n, -1).tolist() for k in ("input_offsets", "send_sizes", "output_offsets"))
+    per = len(io[0]) // n
+    results = []
+    for r in range(n):
+        result = outs[r].clone()
+        for s in range(n):
+            for j in range(per):
+                k = r * per + j  # sender s's slice k goes to rank k // per = r
+                result[oo[s][k] : oo[s][k] + ss[s][k]] = ops_[s][io[s][k] : io[s][k] + ss[s][k]]
+        results.append(result)
+    whole = torch.cat(results)
+    (whole * torch.tensor(ct)).sum().backward()
+    return whole.detach().numpy(), operand.grad.numpy(), output.grad.numpy()
+
+
+def ragged_job(mesh, axis, problem: dict, ct) -> dict:
+    import torch
+
+    from meshlib import P
+    from meshlib_torch import COUNTER, lax, shard_map
+
+    args = [torch.tensor(problem[k], requires_grad=k in ("operand", "output")) for k in RAGGED_ARGS]
+    f = shard_map(
+        lambda *a: lax.ragged_all_to_all(*a, axis_name=axis), mesh=mesh, in_specs=P(axis), out_specs=P(axis)
+    )
+    COUNTER.reset()
+    out = f(*args)
+    forward = dict(COUNTER.by_source)
+    (out.full_tensor() * torch.tensor(ct)).sum().backward()
+    return {
+        "out": out.full_tensor().detach().numpy(), "operand": args[0].grad.numpy(), "output": args[1].grad.numpy(),
+        "forward bytes": {k[3].split("@")[0]: b for k, b in forward.items() if k[1] == "all_to_all"},
+    }  # fmt: skip
+
+
+def counted_job(mesh, case: Case, inputs, ct) -> dict:
+    """One case forward and backward, and what `COUNTER` counted: {(phase, kind, axes, op): bytes}."""
+    from meshlib_torch import COUNTER
+
+    COUNTER.reset()
+    run_cases(mesh, [case], [inputs], [ct])
+    return {(p, k, a, where.split("@")[0]): b for (p, k, a, where), b in COUNTER.by_source.items()}

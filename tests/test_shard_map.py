@@ -58,6 +58,14 @@ CASES = {
         Case("pcast to varying", "pcast_use", dict(ax="i"), ((2, 3), (8, 3)), (P(), P("i")), P("i")),
         Case("trees in and out", "tree_io", dict(ax="i"), ({"a": (8, 3), "b": (2, 3)},), ({"a": P("i"), "b": P()},), {"s": P(), "c": P()}),
         Case("psum / axis_size", "mean_by_size", dict(ax="i"), ((8, 3),), P("i"), P()),
+        # untyped (check_vma=False): psum is its own transpose, the boundary scales and sums instead
+        Case("unchecked psum", "reduce", dict(op="psum", ax="i"), ((8, 3),), P("i"), P(), check_vma=False),
+        Case("unchecked psum of an invariant", "invariant_psum", dict(ax="i"), ((3,),), P(), P(), check_vma=False),
+        Case("unchecked gather", "gather", dict(ax="i", axis=1, tiled=True), ((4, 8),), P(None, "i"), P(None, "i"), check_vma=False),
+        Case("unchecked axis_index", "index_scale", dict(ax="i"), ((5,),), P(), P("i"), check_vma=False),
+        Case("unchecked pcast", "pcast_use", dict(ax="i"), ((2, 3), (8, 3)), (P(), P("i")), P("i"), check_vma=False),
+        Case("unchecked ring", "ring", dict(ax="i", n=4), ((8, 3),), P("i"), P("i"), check_vma=False),
+        Case("unchecked trees", "tree_io", dict(ax="i"), ({"a": (8, 3), "b": (2, 3)},), ({"a": P("i"), "b": P()},), {"s": P(), "c": P()}, check_vma=False),
     ],
     TWO: [
         Case("megatron mlp", "megatron", dict(tp="tp"), ((4, 6), (6, 8), (8, 6)), (P("dp"), P(None, "tp"), P("tp", None)), P("dp")),
@@ -73,6 +81,8 @@ CASES = {
         Case("psum of a dp-sharded invariant", "invariant_psum", dict(ax="tp"), ((4, 3),), P("dp"), P("dp")),
         Case("pmax over tp", "reduce", dict(op="pmax", ax="tp"), ((2, 8),), P(None, "tp"), P(), grad=False),
         Case("psum_scatter over dp", "scatter", dict(ax="dp", tiled=True), ((8, 4),), P(None, "tp"), P("dp", "tp")),
+        Case("unchecked megatron", "megatron", dict(tp="tp"), ((4, 6), (6, 8), (8, 6)), (P("dp"), P(None, "tp"), P("tp", None)), P("dp"), check_vma=False),
+        Case("unchecked sequence parallel", "sequence_parallel", dict(tp="tp"), ((8, 6), (6, 8), (8, 6)), (P("tp"), P(None, "tp"), P("tp", None)), P("tp"), check_vma=False),
     ],
     THREE: [
         Case("two levels", "two_level", dict(outer=("dp", "pp"), inner="tp"), ((8, 6),), P(("dp", "pp"), "tp"), P()),
@@ -98,7 +108,7 @@ def _inputs(case: Case, seed: int):
 def _jax_fn(mesh: Mesh, case: Case, program: str):
     return jax.shard_map(
         getattr(cases, program)(jax.lax, JAX_OPS, **case.kw), mesh=to_jax_mesh(mesh),
-        in_specs=_jax_specs(case.in_specs), out_specs=_jax_specs(case.out_specs),
+        in_specs=_jax_specs(case.in_specs), out_specs=_jax_specs(case.out_specs), check_vma=case.check_vma,
     )  # fmt: skip
 
 
@@ -133,3 +143,93 @@ def test_cases_equal_jax(mesh):
             if case.grad:
                 for got, want in zip(row["grad"], grads):
                     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"{where}: gradient")
+
+
+def test_dtensors_in_and_out_with_gradients():
+    """Inputs as DTensors (already laid out, resharded, partial) and a result fed to a second shard_map:
+    the whole gradients equal one process's autograd of the same math; results carry the out specs'
+    placements (tp-major blocks of P(("tp", "dp")) a strided shard, as JAX lays them out)."""
+    mesh = Mesh(dp=2, tp=2)
+    ranks = get_pool(mesh.size).run(cases.dtensor_job, mesh)
+    from torch.distributed.tensor import Replicate, Shard
+
+    from meshlib_torch.torch_private import StridedShard
+
+    for rank, got in enumerate(ranks):
+        assert got["y"] == ((Shard(0), Replicate()), True)
+        assert got["z"] == ((Shard(0), Shard(1)), True)
+        assert got["grads"] == [True, True, True] and all(got["grad placements"])
+        assert got["partial in"]
+        placements, local, whole = got["strided"]
+        assert placements == (StridedShard(0, split_factor=2), Shard(0)) and whole
+        block = 2 * mesh.coords(rank)["tp"] + mesh.coords(rank)["dp"]  # JAX: tp major
+        assert local == [got["x"][block]]
+
+
+def test_ragged_all_to_all_equals_its_reference():
+    """jax 0.10 cannot run ragged_all_to_all on CPU ("HLO opcode ragged-all-to-all is not supported by
+    XLA:CPU"), so the oracle is its docstring's pseudocode in one process (`ragged_reference`), with
+    torch autograd for the gradients: two slices per destination, empty ones among them, gaps between."""
+    mesh, n = Mesh(ep=4), 4
+    problem = cases.ragged_problem(n, per=2, rows=20, width=3, seed=5)
+    ct = np.random.default_rng(6).standard_normal(problem["output"].shape)
+    want, operand_grad, output_grad = cases.ragged_reference(problem, n, ct)
+    ranks = get_pool(n).run(cases.ragged_job, mesh, "ep", problem, ct)
+    sends = problem["send_sizes"].reshape(n, -1).sum(1)
+    for rank, got in enumerate(ranks):
+        np.testing.assert_allclose(got["out"], want, rtol=0, atol=0)
+        np.testing.assert_allclose(got["operand"], operand_grad, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(got["output"], output_grad, rtol=1e-12, atol=1e-12)
+        assert got["forward bytes"] == {"ragged_all_to_all": 8 * 4 + int(sends[rank]) * 3 * 8}  # offsets + rows sent
+
+
+def test_dry_run_records_equal_what_the_eager_run_counts():
+    """`spmd.region_collectives` on meta tensors of one rank's shards lists the collectives, forward and
+    backward, with the bytes `COUNTER` counts when the same program runs on gloo ranks (shard_map's own
+    boundary gathers aside: a compiled region's inputs are already shards)."""
+    from meshlib.tree import ShapeDtype
+    from meshlib_torch.spmd import region_collectives
+
+    case = CASES[TWO][0]  # the Megatron MLP
+    xs = _inputs(case, 0)
+    cts = [np.ones((4, 6))]
+    counted = get_pool(TWO.size).run(cases.counted_job, TWO, case, xs, cts)[0]
+    local = [ShapeDtype((2, 6), "float64"), ShapeDtype((6, 2), "float64"), ShapeDtype((2, 6), "float64")]
+    f = cases.megatron(__import__("meshlib_torch").lax, cases.torch_ops(), tp="tp")
+    plan = region_collectives(f, mesh=TWO, in_specs=case.in_specs, out_specs=case.out_specs, args=tuple(local))
+    recorded: dict = {}
+    for r in plan.records:
+        key = (r.phase, r.kind, "_".join(r.axes), r.op)
+        recorded[key] = recorded.get(key, 0) + r.bytes
+    eager = {k: b for k, b in counted.items() if k[3] != "shard_map"}
+    assert recorded == eager == {
+        ("forward", "all_reduce", "tp", "psum"): 2 * 6 * 8,  # the row-parallel output
+        ("backward", "all_reduce", "tp", "pvary"): 2 * 6 * 8,  # x's gradient: x is invariant over tp
+        ("backward", "all_reduce", "dp", "pvary"): 2 * (6 * 2 * 8),  # w1's and w2's: invariant over dp
+    }
+    assert all(r.source.startswith("shard_map_cases.py:") and r.priced == "exact" for r in plan.records)
+    assert plan.outputs.shape == (2, 6) and plan.varying == frozenset({"dp"})
+    c = plan.records[0].to_collective(node="mlp")
+    assert (c.kind, c.axes, c.bytes, c.group, c.phase, c.node) == ("all_reduce", ("tp",), 96, 4, "forward", "mlp")
+
+
+def test_dry_run_prices_a_ragged_all_to_all_from_what_its_caller_declares():
+    from meshlib.tree import ShapeDtype
+    from meshlib_torch import lax
+    from meshlib_torch.spmd import Bound, Expected, region_collectives
+
+    mesh = Mesh(ep=4)
+    rows, sizes = ShapeDtype((16, 8), "float32"), ShapeDtype((4,), "int32")
+    args = (rows, rows, sizes, sizes, sizes, sizes)
+
+    def priced(price):
+        f = lambda *a: lax.ragged_all_to_all(*a, axis_name="ep", price=price)
+        plan = region_collectives(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), args=args)
+        return [(r.phase, r.bytes, r.priced) for r in plan.records]
+
+    exchange = ("forward", 4 * 4, "exact")  # where each slice lands: K int32 offsets
+    assert priced(None) == [exchange, ("forward", 16 * 8 * 4, "bound"), *priced(None)[2:]]  # default: every row
+    assert priced(Bound(10))[1] == ("forward", 10 * 8 * 4, "bound")
+    assert priced(Expected(3))[1] == ("forward", 3 * 8 * 4, "expected")
+    backward = priced(Expected(3))[2:]  # three offset exchanges (as jax's transpose), then the rows sent back
+    assert [b[0] for b in backward] == ["backward"] * 4 and backward[-1] == ("backward", 3 * 8 * 4, "expected")
