@@ -25,7 +25,7 @@ from meshlib import Mesh, NamedSharding, P
 from .records import Call
 from .region import Axes, Region
 from .specs import Leaf, global_shape, placements
-from .vma import pvary, set_vma
+from .vma import pvary
 
 __all__ = ["from_dtensor", "localize", "output_cast", "to_dtensor"]
 
@@ -58,10 +58,9 @@ class _Localize(Function):
 
 
 def localize(leaf: Leaf, region: Region, rank: int, call: Call) -> torch.Tensor:
-    """This rank's block of a global tensor, typed to vary over the axes its spec names."""
+    """This rank's block of a global tensor."""
     index = NamedSharding(region.mesh, leaf.spec).rank_indices(tuple(leaf.value.shape), path=leaf.path)[rank]
-    local = _Localize.apply(leaf.value, region, leaf.spec, index, call)
-    return set_vma(local, frozenset(leaf.spec.axes) if region.check_vma else frozenset())
+    return _Localize.apply(leaf.value, region, leaf.spec, index, call)
 
 
 def from_dtensor(leaf: Leaf, region: Region, dm) -> torch.Tensor:
@@ -78,8 +77,7 @@ def from_dtensor(leaf: Leaf, region: Region, dm) -> torch.Tensor:
     grads = list(target)
     if not region.check_vma:  # an untyped gradient is partial over the axes the spec leaves out
         grads = [Partial() if a in _unmentioned(leaf.spec, mesh) else p for a, p in zip(mesh.axis_names, grads)]
-    local = x.to_local(grad_placements=grads)
-    return set_vma(local, frozenset(leaf.spec.axes) if region.check_vma else frozenset())
+    return x.to_local(grad_placements=grads)
 
 
 class _Scale(Function):

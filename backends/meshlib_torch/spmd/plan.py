@@ -5,7 +5,7 @@ list of a region's collectives.
 tensors of the local shapes (`args`: the shards one rank holds, as meta tensors or `ShapeDtype`s),
 with `MetaBackend` recording each collective (and, with `backward=True`, those its backward runs),
 checks the results against `out_specs`, and returns a `RegionPlan`: the records and the local
-output shapes. shard_map calls `check` with the same machinery before it runs `f` for real.
+output shapes. shard_map calls `abstract_run` before it runs `f` for real.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from meshlib import Mesh
 from meshlib.tree import ShapeDtype
 
 from .backend import MetaBackend
-from .boundary import output_cast
-from .records import Call, Record
+from .records import Record
 from .region import Region
+from .run import run_region
 from .specs import Leaf, check_spec_tree, match
-from .vma import VmaMode, set_vma, vma
+from .vma import VmaMode, vma
 
-__all__ = ["RegionPlan", "abstract_run", "check_outputs", "region_collectives"]
+__all__ = ["RegionPlan", "abstract_run", "region_collectives"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,84 +39,40 @@ class RegionPlan:
     varying: Any
 
 
-def _meta(leaf: Leaf, check_vma: bool, grad: bool):
+def _meta(leaf: Leaf, grad: bool):
+    """A meta tensor of the leaf's (local) shape, needing a gradient if `grad` and it can have one."""
     v = leaf.value
     if isinstance(v, ShapeDtype):
         v = torch.empty(v.shape, dtype=getattr(torch, v.dtype), device="meta")
     if not isinstance(v, torch.Tensor) or leaf.spec is None:
         return v
     out = torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
-    out.requires_grad_(grad and (out.is_floating_point() or out.is_complex()))
-    return set_vma(out, frozenset(leaf.spec.axes) if check_vma else frozenset())
+    return out.requires_grad_(grad and (out.is_floating_point() or out.is_complex()))
 
 
 def abstract_run(f, mesh: Mesh, leaves: list[Leaf], treedef, out_specs, *, check_vma: bool, backward: bool = False):
-    """Run `f` on meta twins of `leaves` (local shapes): `(result leaves, result treedef, records)`."""
-    name = getattr(f, "__name__", repr(f))
+    """Run `f` on meta twins of `leaves` (local shapes): `(result leaves, result treedef, records)`, the
+    results cast to their out specs."""
     backend = MetaBackend()
     region = Region(mesh, backend, check_vma=check_vma)
     region.mode = VmaMode(region)
-    args = optree.tree_unflatten(treedef, [_meta(leaf, check_vma, backward) for leaf in leaves])
+    args = optree.tree_unflatten(treedef, [_meta(leaf, backward) for leaf in leaves])
+    in_specs = optree.tree_unflatten(treedef, [leaf.spec for leaf in leaves])
     try:
-        with region.entered():
-            result = f(*args)
+        outs, out_tree = run_region(f, region, args, in_specs=in_specs, out_specs=out_specs)
     except (NotImplementedError, RuntimeError) as err:
         if "meta" not in str(err):
             raise
         raise ValueError(
-            f"shard_map({name}) runs f on meta tensors first (to check it before any collective) and f "
-            f"failed there: {err}. f must not read tensor values into Python (.item(), .tolist(), `if` on a "
-            "tensor): they differ per rank. Fix: keep values as tensors (torch.where), or pass check_vma=False"
+            f"shard_map({getattr(f, '__name__', repr(f))}) runs f on meta tensors first (to check it before any "
+            f"collective) and f failed there: {err}. f must not read tensor values into Python (.item(), "
+            ".tolist(), `if` on a tensor): they differ per rank. Fix: keep values as tensors (torch.where), or "
+            "pass check_vma=False"
         ) from err
-    outs, out_tree = match(out_specs, result, "out", "out_specs", name)
-    check_outputs(outs, mesh, check_vma, name)
-    if backward:
-        _backward(outs, region)
-    return outs, out_tree, tuple(backend.records)
-
-
-def _backward(outs: list[Leaf], region: Region) -> None:
-    call = Call("shard_map", "(out_specs)")
-    cast = [output_cast(o.value, o.spec, region, call) for o in outs]
-    seeds = [(t, torch.empty_like(t)) for t in cast if t.requires_grad]
+    seeds = [(o.value, torch.empty_like(o.value)) for o in outs if backward and o.value.requires_grad]
     if seeds:
         torch.autograd.backward([t for t, _ in seeds], [g for _, g in seeds])
-
-
-def check_outputs(outs: list[Leaf], mesh: Mesh, check_vma: bool, name: str) -> None:
-    """Every result is a tensor its spec fits, and (typed) varies only over axes its spec names."""
-    wrong = []
-    for o in outs:
-        if not isinstance(o.value, torch.Tensor):
-            raise TypeError(
-                f"shard_map({name}): {o.path} is a {type(o.value).__name__}, not a tensor. Fix: return tensors"
-            )
-        if len(o.spec) > o.value.dim():
-            raise ValueError(
-                f"shard_map({name}): {o.path} has {o.value.dim()} dims but its out spec {o.spec!r} has "
-                f"{len(o.spec)} entries. Fix: give at most {o.value.dim()} entries"
-            )
-        extra = [a for a in mesh.axis_names if a in vma(o.value) and a not in o.spec.axes]
-        if check_vma and extra:
-            wrong.append(_vma_error(o, extra))
-    if wrong:
-        raise ValueError(
-            f"shard_map({name}): out_specs promise replication that check_vma cannot prove:\n"
-            + "\n".join(wrong)
-            + "\nAn axis an out spec leaves out promises the result is equal on every rank along it. Fix: reduce "
-            "over that axis inside f (lax.psum / lax.pmean / lax.all_gather_invariant), or name it in the out "
-            "spec to concatenate the shards, or pass check_vma=False if it is equal for reasons f cannot show"
-        )
-
-
-def _vma_error(o: Leaf, extra: list[str]) -> str:
-    axes = ", ".join(repr(a) for a in extra)
-    name = repr(extra[0]) if len(extra) == 1 else repr(tuple(extra))
-    return (
-        f"  {o.path}: out spec {o.spec!r} leaves out {axes}, but {o.path} varies over {axes} "
-        f"(varying axes {sorted(vma(o.value))}). Fix for {o.path}: lax.psum(..., {name}) if its shards "
-        f"are partial sums, or an out spec naming {axes}"
-    )
+    return outs, out_tree, tuple(backend.records)
 
 
 def region_collectives(

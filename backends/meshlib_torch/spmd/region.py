@@ -20,7 +20,8 @@ from meshlib import Mesh
 __all__ = ["Axes", "Region", "current", "user_line"]
 
 _CURRENT: contextvars.ContextVar[Region | None] = contextvars.ContextVar("meshlib_shard_map_region", default=None)
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # meshlib_torch/
+_HERE = os.path.dirname(os.path.abspath(__file__))  # spmd/: shard_map and the collectives
+_LAX = os.path.join(os.path.dirname(_HERE), "lax.py")
 _TORCH = os.sep + "torch" + os.sep
 
 
@@ -103,11 +104,12 @@ def current(op: str) -> Region:
 
 
 def user_line() -> str:
-    """`file.py:LINE` of the innermost caller outside meshlib_torch and torch."""
+    """`file.py:LINE` of the innermost caller outside shard_map, the lax collectives and torch (so a
+    rank-dependent op written inside meshlib_torch, a model's, is its own source)."""
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(_PACKAGE) and _TORCH not in path and "contextlib" not in path:
+        if not path.startswith(_HERE) and path != _LAX and _TORCH not in path and "contextlib" not in path:
             return f"{os.path.basename(path)}:{frame.f_lineno}"
         frame = frame.f_back
     return ""

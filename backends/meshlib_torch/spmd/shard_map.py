@@ -32,11 +32,12 @@ from torch.distributed.tensor import DTensor
 from meshlib import Mesh
 
 from ..runtime import dist
-from .boundary import from_dtensor, localize, output_cast, to_dtensor
+from .boundary import from_dtensor, localize, to_dtensor
 from .eager import EagerBackend
-from .plan import abstract_run, check_outputs
+from .plan import abstract_run
 from .records import Call
 from .region import Region, user_line
+from .run import run_region
 from .specs import Leaf, check_spec_tree, local_shape, match
 from .vma import VmaMode
 
@@ -89,13 +90,9 @@ def _call(f, mesh: Mesh, in_specs, out_specs, check_vma: bool, args: tuple):
     region = Region(mesh, EagerBackend(mesh, dm), check_vma=check_vma)
     region.mode = VmaMode(region) if check_vma else None
     call = Call("shard_map", user_line())
-    shards = [_shard(leaf, region, dm, call) for leaf in leaves]
-    with region.entered():
-        result = f(*optree.tree_unflatten(treedef, shards))
-    outs, out_tree = match(out_specs, result, "out", "out_specs", getattr(f, "__name__", repr(f)))
-    check_outputs(outs, mesh, check_vma, getattr(f, "__name__", repr(f)))
-    values = [to_dtensor(output_cast(o.value, o.spec, region, call), o.spec, mesh, dm) for o in outs]
-    return optree.tree_unflatten(out_tree, values)
+    shards = optree.tree_unflatten(treedef, [_shard(leaf, region, dm, call) for leaf in leaves])
+    outs, out_tree = run_region(f, region, shards, in_specs=in_specs, out_specs=out_specs)
+    return optree.tree_unflatten(out_tree, [to_dtensor(o.value, o.spec, mesh, dm) for o in outs])
 
 
 def _shard(leaf: Leaf, region: Region, dm, call: Call):

@@ -10,9 +10,10 @@ The rules are JAX's (`jax/_src/shard_map.py`, `jax/_src/lax/parallel.py`; the sh
 - each collective has its own rule (in `lax.py`); an output's spec must name every axis it varies over.
 
 The set is an attribute of the tensor object (`_meshlib_vma`), so in-place ops and views keep theirs.
-`VmaMode` applies the rules to every torch function called while a region is entered. A custom
-`torch.autograd.Function` is opaque to it (torch calls it without a torch function mode): its
-outputs count as invariant, and its inputs are not cast; give it inputs that vary alike.
+`VmaMode` applies the rules to every torch function called while a region is entered. Inside a custom
+`torch.autograd.Function` the ops are typed too (its results vary as they should), but its forward
+runs without grad, so no input is cast there: a custom Function that mixes an invariant input that
+needs a gradient with varying ones must be given inputs cast alike (`lax.pcast(w, axes, to="varying")`).
 """
 
 from __future__ import annotations
