@@ -233,3 +233,21 @@ def test_dry_run_prices_a_ragged_all_to_all_from_what_its_caller_declares():
     assert priced(Expected(3))[1] == ("forward", 3 * 8 * 4, "expected")
     backward = priced(Expected(3))[2:]  # three offset exchanges (as jax's transpose), then the rows sent back
     assert [b[0] for b in backward] == ["backward"] * 4 and backward[-1] == ("backward", 3 * 8 * 4, "expected")
+
+
+def test_a_weight_used_many_times_is_summed_once():
+    """JAX casts an invariant weight at every use (one psum per use in backward); casting it once per
+    region gives the same gradient (the uses add up first) with one all-reduce per weight."""
+    from meshlib.tree import ShapeDtype
+    from meshlib_torch import lax
+    from meshlib_torch.spmd import region_collectives
+
+    def layers(x, w1, w2):
+        for _ in range(4):
+            x = x + lax.psum(torch.relu(x @ w1) @ w2, "tp")
+        return x
+
+    args = (ShapeDtype((8, 16)), ShapeDtype((16, 4)), ShapeDtype((4, 16)))
+    plan = region_collectives(layers, mesh=TWO, in_specs=CASES[TWO][0].in_specs, out_specs=P("dp"), args=args)
+    weights = [r for r in plan.records if r.phase == "backward" and r.axes == ("dp",)]
+    assert [r.bytes for r in weights] == [4 * 16 * 4, 16 * 4 * 4]  # w2's and w1's local shards, once each

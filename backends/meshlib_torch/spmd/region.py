@@ -77,6 +77,8 @@ class Region:
                 yield self
         finally:
             _CURRENT.reset(token)
+            if self.mode is not None:
+                self.mode.forget()  # the autograd graph keeps the region: let it not keep every cast too
 
     @contextlib.contextmanager
     def untyped(self):

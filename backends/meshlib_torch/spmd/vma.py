@@ -57,15 +57,24 @@ class _Pvary(torch.autograd.Function):
 
 
 def pvary(x: torch.Tensor, region: Region, axes: tuple[str, ...], call) -> torch.Tensor:
-    """`x` cast to vary over `axes` too (those it already varies over are skipped)."""
-    extra = tuple(a for a in axes if a not in vma(x))
+    """`x` cast to vary over `axes` too (those it already varies over are skipped).
+
+    A value cast the same way twice in one region is cast once (`VmaMode.casts`): its uses' gradients
+    add up before the one psum, which is the sum of the psums JAX's per-use casts would run."""
+    extra = _mesh_order(region, [a for a in axes if a not in vma(x)])
     if not extra:
         return x
+    key = (id(x), x._version, extra)
+    casts = region.mode.casts if region.mode is not None else {}
+    if key in casts:
+        return casts[key][1]
     out = x
     if x.requires_grad and torch.is_grad_enabled():
         with region.untyped():
-            out = _Pvary.apply(x, region, region.axes(_mesh_order(region, extra), "pvary"), call)
-    return set_vma(out if out is not x else x.view_as(x), vma(x) | set(extra))
+            out = _Pvary.apply(x, region, region.axes(extra, "pvary"), call)
+    out = set_vma(out if out is not x else x.view_as(x), vma(x) | set(extra))
+    casts[key] = (x, out)  # holding x keeps its id unique while the region runs
+    return out
 
 
 def _mesh_order(region: Region, axes) -> tuple[str, ...]:
@@ -85,6 +94,7 @@ class VmaMode(TorchFunctionMode):
         super().__init__()
         self.region, self.paused = region, False
         self._meta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.casts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (id, version, axes) -> (x, cast x)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -106,6 +116,11 @@ class VmaMode(TorchFunctionMode):
                 if _is_tensor(t):
                     set_vma(t, vma(t) | union)
         return out
+
+    def forget(self) -> None:
+        """Drop the casts and meta twins of a region that has ended."""
+        self.casts.clear()
+        self._meta.clear()
 
     def local(self, t):
         """`t` as this region computes on it: in an abstract region, a real tensor's meta twin (made once);
