@@ -84,6 +84,9 @@ def _reduce(op: str, x, axis_name, how: str, axis_index_groups):
         if isinstance(t, (int, float, bool)) and not isinstance(t, torch.Tensor):
             return t * axes.size if how == "sum" else t  # a constant is the same on every rank
         t = _operand(region, t, axes, call, op)
+        if t.dtype == torch.bool and how == "sum":  # as jax: booleans are summed as int32
+            with region.untyped():
+                t = set_vma(t.to(torch.int32), vma(t))
         fn, extra = (C.Psum, ()) if how == "sum" else (C.Reduce, (how,))
         return _apply(region, fn, t, region, axes, call, *extra, varies=vma(t) - set(axes.names))
 

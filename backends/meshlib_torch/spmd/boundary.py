@@ -27,7 +27,7 @@ from .region import Axes, Region
 from .specs import Leaf, global_shape, placements
 from .vma import pvary
 
-__all__ = ["from_dtensor", "localize", "output_cast", "to_dtensor"]
+__all__ = ["check_dtensor", "from_dtensor", "localize", "output_cast", "to_dtensor"]
 
 
 def _axes(mesh: Mesh, names) -> Axes:
@@ -63,14 +63,19 @@ def localize(leaf: Leaf, region: Region, rank: int, call: Call) -> torch.Tensor:
     return _Localize.apply(leaf.value, region, leaf.spec, index, call)
 
 
+def check_dtensor(leaf: Leaf, mesh: Mesh, fn_name: str) -> None:
+    """A DTensor argument lives on a device mesh with `mesh`'s axes and sizes (checked before anything moves)."""
+    dm = leaf.value.device_mesh
+    if tuple(dm.mesh_dim_names or ()) != mesh.axis_names or tuple(dm.shape) != mesh.axis_sizes:
+        raise ValueError(
+            f"shard_map({fn_name}): {leaf.path} is a DTensor on a mesh with axes {dm.mesh_dim_names} of sizes "
+            f"{tuple(dm.shape)}, not shard_map's {mesh!r}. Fix: make it on runtime.dist.device_mesh(mesh)"
+        )
+
+
 def from_dtensor(leaf: Leaf, region: Region, dm) -> torch.Tensor:
     """This rank's block of a DTensor laid out by the spec (redistributed first if it is not)."""
     x, mesh = leaf.value, region.mesh
-    if tuple(x.device_mesh.mesh_dim_names or ()) != mesh.axis_names or tuple(x.device_mesh.shape) != mesh.axis_sizes:
-        raise ValueError(
-            f"{leaf.path} is a DTensor on a mesh with axes {x.device_mesh.mesh_dim_names} of sizes "
-            f"{tuple(x.device_mesh.shape)}, not shard_map's {mesh!r}. Fix: make it on runtime.dist.device_mesh(mesh)"
-        )
     target = placements(leaf.spec, mesh)
     if tuple(x.placements) != tuple(target):
         x = x.redistribute(dm, target)

@@ -32,7 +32,7 @@ __all__ = ["RegionPlan", "abstract_run", "region_collectives"]
 @dataclass(frozen=True, slots=True)
 class RegionPlan:
     """What one run of a region does per rank: its collectives in order, and its results' local
-    shapes and varying axes (trees shaped like `f`'s results)."""
+    shapes and varying axes as the out specs cast them (trees shaped like `f`'s results)."""
 
     records: tuple[Record, ...]
     outputs: Any

@@ -10,6 +10,8 @@ raised on every rank before any collective. Then `f` runs for real with the coll
 
 Arguments are global tensors (the same on every rank) or DTensors; gradients flow back as
 `jax.grad`'s through `jax.shard_map`: a global input's `.grad` is the whole gradient on every rank.
+With `check_vma=False` nothing is checked before `f` runs (values are untyped, as in JAX): an error
+in `f` then comes while it runs, on every rank at the same point.
 
 Example (under torchrun with 4 processes; `x` and `w` the same on every rank):
 
@@ -32,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from meshlib import Mesh
 
 from ..runtime import dist
-from .boundary import from_dtensor, localize, to_dtensor
+from .boundary import check_dtensor, from_dtensor, localize, to_dtensor
 from .eager import EagerBackend
 from .plan import abstract_run
 from .records import Call
@@ -77,6 +79,8 @@ def _inputs(f, mesh: Mesh, in_specs, args) -> tuple[list[Leaf], list[Leaf], obje
         if leaf.spec is None:
             local.append(leaf)
             continue
+        if isinstance(leaf.value, DTensor):
+            check_dtensor(leaf, mesh, name)
         shape = local_shape(leaf, tuple(leaf.value.shape), mesh, name)
         local.append(Leaf(leaf.path, torch.empty(shape, dtype=leaf.value.dtype, device="meta"), leaf.spec))
     return leaves, local, treedef
