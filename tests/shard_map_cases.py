@@ -105,6 +105,10 @@ def tree_io(lax, ops, *, ax):
     return lambda d: {"s": lax.psum(ops.tanh(d["a"]), ax), "c": d["b"] * 2.0 + lax.pmean(d["a"], ax)}
 
 
+def tree_psum(lax, ops, *, ax):
+    return lambda x: lax.psum({"a": ops.tanh(x), "b": (x * x * lax.psum(1, ax), x)}, ax)  # psum(1): the size
+
+
 def mean_by_size(lax, ops, *, ax):
     return lambda x: lax.psum(x * x, ax) / lax.axis_size(ax)
 

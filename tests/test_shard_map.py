@@ -58,6 +58,7 @@ CASES = {
         Case("pcast to varying", "pcast_use", dict(ax="i"), ((2, 3), (8, 3)), (P(), P("i")), P("i")),
         Case("trees in and out", "tree_io", dict(ax="i"), ({"a": (8, 3), "b": (2, 3)},), ({"a": P("i"), "b": P()},), {"s": P(), "c": P()}),
         Case("psum / axis_size", "mean_by_size", dict(ax="i"), ((8, 3),), P("i"), P()),
+        Case("psum of a pytree", "tree_psum", dict(ax="i"), ((8, 3),), P("i"), {"a": P(), "b": P()}),
         # untyped (check_vma=False): psum is its own transpose, the boundary scales and sums instead
         Case("unchecked psum", "reduce", dict(op="psum", ax="i"), ((8, 3),), P("i"), P(), check_vma=False),
         Case("unchecked psum of an invariant", "invariant_psum", dict(ax="i"), ((3,),), P(), P(), check_vma=False),

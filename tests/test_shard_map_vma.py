@@ -194,3 +194,14 @@ def test_collective_arguments_are_checked():
         perm(torch.ones(4))
     cast = shard_map(lambda x: lax.pcast(x, "tp", to="varying"), mesh=MESH, in_specs=P("tp"), out_specs=P("tp"))
     _raises(r"already varies over \['tp'\]", cast, torch.ones(4))
+
+
+def test_pmax_has_no_derivative_as_in_jax():
+    from meshlib.tree import ShapeDtype
+    from meshlib_torch.spmd import region_collectives
+
+    f = lambda x: lax.pmax(x, "tp")
+    with pytest.raises(ValueError, match=r"lax.pmax at test_shard_map_vma.py:\d+ has no derivative .* Fix: reduce a detached"):
+        region_collectives(f, mesh=MESH, in_specs=P("tp"), out_specs=P(), args=(ShapeDtype((2, 3)),))
+    plan = region_collectives(lambda x: lax.pmax(x.detach(), "tp"), mesh=MESH, in_specs=P("tp"), out_specs=P(), args=(ShapeDtype((2, 3)),))
+    assert [(r.op, r.phase) for r in plan.records] == [("pmax", "forward")]
