@@ -82,6 +82,7 @@ CASES = {
         Case("psum of a dp-sharded invariant", "invariant_psum", dict(ax="tp"), ((4, 3),), P("dp"), P("dp")),
         Case("pmax over tp", "reduce", dict(op="pmax", ax="tp"), ((2, 8),), P(None, "tp"), P(), grad=False),
         Case("psum_scatter over dp", "scatter", dict(ax="dp", tiled=True), ((8, 4),), P(None, "tp"), P("dp", "tp")),
+        Case("psum_scatter tp major", "scatter", dict(ax=("tp", "dp"), dim=1, tiled=True), ((3, 16),), P(), P(None, ("tp", "dp"))),
         Case("unchecked megatron", "megatron", dict(tp="tp"), ((4, 6), (6, 8), (8, 6)), (P("dp"), P(None, "tp"), P("tp", None)), P("dp"), check_vma=False),
         Case("unchecked sequence parallel", "sequence_parallel", dict(tp="tp"), ((8, 6), (6, 8), (8, 6)), (P("tp"), P(None, "tp"), P("tp", None)), P("tp"), check_vma=False),
     ],
@@ -167,21 +168,25 @@ def test_dtensors_in_and_out_with_gradients():
         assert local == [got["x"][block]]
 
 
-def test_ragged_all_to_all_equals_its_reference():
+@pytest.mark.parametrize("mesh, axis", [(Mesh(ep=4), "ep"), (Mesh(a=2, b=2), ("b", "a"))], ids=["ep", "b-major"])
+def test_ragged_all_to_all_equals_its_reference(mesh, axis):
     """jax 0.10 cannot run ragged_all_to_all on CPU ("HLO opcode ragged-all-to-all is not supported by
     XLA:CPU"), so the oracle is its docstring's pseudocode in one process (`ragged_reference`), with
-    torch autograd for the gradients: two slices per destination, empty ones among them, gaps between."""
-    mesh, n = Mesh(ep=4), 4
+    torch autograd for the gradients: two slices per destination, empty ones among them, gaps between.
+    Over a tuple of axes, rank r of the reference is index r along it (b major here), as jax's replica
+    groups order it."""
+    n = 4
     problem = cases.ragged_problem(n, per=2, rows=20, width=3, seed=5)
     ct = np.random.default_rng(6).standard_normal(problem["output"].shape)
     want, operand_grad, output_grad = cases.ragged_reference(problem, n, ct)
-    ranks = get_pool(n).run(cases.ragged_job, mesh, "ep", problem, ct)
+    ranks = get_pool(n).run(cases.ragged_job, mesh, axis, problem, ct)
     sends = problem["send_sizes"].reshape(n, -1).sum(1)
+    index = [mesh.axis_coord(r, axis) for r in range(n)]  # each rank's index along the axis name
     for rank, got in enumerate(ranks):
         np.testing.assert_allclose(got["out"], want, rtol=0, atol=0)
         np.testing.assert_allclose(got["operand"], operand_grad, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(got["output"], output_grad, rtol=1e-12, atol=1e-12)
-        assert got["forward bytes"] == {"ragged_all_to_all": 8 * 4 + int(sends[rank]) * 3 * 8}  # offsets + rows sent
+        assert got["forward bytes"] == {"ragged_all_to_all": 8 * 4 + int(sends[index[rank]]) * 3 * 8}  # offsets, rows
 
 
 def test_dry_run_records_equal_what_the_eager_run_counts():
