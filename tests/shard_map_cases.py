@@ -420,3 +420,40 @@ def counted_job(mesh, case: Case, inputs, ct) -> dict:
     COUNTER.reset()
     run_cases(mesh, [case], [inputs], [ct])
     return {(p, k, a, where.split("@")[0]): b for (p, k, a, where), b in COUNTER.by_source.items()}
+
+
+def moe_round_trip(lax, axis: str):
+    """Dropless expert parallelism with one expert per rank: tokens sorted by expert go out with
+    ragged_all_to_all (sizes swapped with all_to_all first), each expert scales what it receives by
+    (its index + 1), and a second ragged_all_to_all brings them home. `f(x, expert) -> x * (expert + 1)`."""
+    import torch
+
+    def exclusive(sizes):
+        return torch.cumsum(sizes, 0) - sizes
+
+    def f(x, expert):
+        n, tokens = lax.axis_size(axis), x.shape[0]
+        order = torch.argsort(expert, stable=True)
+        send = (expert[:, None] == torch.arange(n)).sum(0, dtype=torch.int32)  # bincount has no meta kernel
+        recv = lax.all_to_all(send, axis, 0, 0, tiled=True)
+        lands = lax.all_to_all(exclusive(recv), axis, 0, 0, tiled=True)  # where my slices go on each expert
+        buf = x.new_zeros((n * tokens,) + x.shape[1:])
+        got = lax.ragged_all_to_all(x[order], buf, exclusive(send), send, lands, recv, axis_name=axis)
+        got = got * (lax.axis_index(axis) + 1.0)
+        home = lax.all_to_all(exclusive(send), axis, 0, 0, tiled=True)  # where they came from
+        back = lax.ragged_all_to_all(got, torch.zeros_like(x), exclusive(recv), recv, home, send, axis_name=axis)
+        return torch.empty_like(back).index_copy(0, order, back)
+
+    return f
+
+
+def moe_job(mesh, axis: str, x, expert, ct) -> dict:
+    import torch
+
+    from meshlib import P
+    from meshlib_torch import lax, shard_map
+
+    xs = torch.tensor(x, requires_grad=True)
+    y = shard_map(moe_round_trip(lax, axis), mesh=mesh, in_specs=P(axis), out_specs=P(axis))(xs, torch.tensor(expert))
+    (y.full_tensor() * torch.tensor(ct)).sum().backward()
+    return {"y": y.full_tensor().detach().numpy(), "grad": xs.grad.numpy()}

@@ -182,6 +182,8 @@ def test_collectives_outside_shard_map_and_nested_shard_map():
 def test_reading_values_into_python_is_refused_with_the_reason():
     f = shard_map(lambda x: x * float(x.sum()), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
     _raises(r"runs f on meta tensors first .* must not read tensor values into Python", f, torch.ones(4))
+    g = shard_map(lambda x: torch.bincount(x, minlength=4), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    _raises(r"aten::bincount: attempted to run this operator with Meta tensors, but there was no fake impl or Meta kernel registered. f must not.*one-hot sum", g, torch.ones(4, dtype=torch.long))
 
 
 def test_collective_arguments_are_checked():

@@ -61,13 +61,14 @@ def abstract_run(f, mesh: Mesh, leaves: list[Leaf], treedef, out_specs, *, check
     try:
         outs, out_tree = run_region(f, region, args, in_specs=in_specs, out_specs=out_specs)
     except (NotImplementedError, RuntimeError) as err:
-        if "meta" not in str(err):
+        if "meta" not in str(err).lower():
             raise
         raise ValueError(
             f"shard_map({getattr(f, '__name__', repr(f))}) runs f on meta tensors first (to check it before any "
-            f"collective) and f failed there: {err}. f must not read tensor values into Python (.item(), "
-            ".tolist(), `if` on a tensor): they differ per rank. Fix: keep values as tensors (torch.where), or "
-            "pass check_vma=False"
+            f"collective) and f failed there: {str(err).split('. ')[0]}. f must not read tensor values into "
+            "Python (.item(), .tolist(), `if` on a tensor: they differ per rank), nor use ops whose result's shape "
+            "depends on values (torch.bincount, nonzero, unique). Fix: keep values as tensors (torch.where), give "
+            "shapes from sizes you know (a one-hot sum for bincount), or pass check_vma=False"
         ) from err
     seeds = [(o.value, torch.empty_like(o.value)) for o in outs if backward and o.value.requires_grad]
     if seeds:
