@@ -13,9 +13,11 @@
 - `PeakTracker` measures peak live tensor bytes (the dry run's reference).
 - `export(par, path, config=...)` writes the model back as Hugging Face safetensors
   (`parallelize(..., weights=path)` reads them, or a DCP checkpoint, into shards).
+- `shard_map(f, mesh=..., in_specs=..., out_specs=...)` runs per-shard code with JAX's semantics
+  (check_vma included), eagerly on the mesh's process groups; `lax` holds its collectives.
 """
 
-from . import cli  # noqa: E402,F401  (the `meshlib` command finds it here)
+from . import cli, lax  # noqa: E402,F401  (the `meshlib` command finds cli here; lax is public)
 from .compiler.compile import compile_model
 from .compiler.program import Compiled
 from .memtrack import PeakTracker
@@ -25,8 +27,9 @@ from .runtime.hub import export
 from .runtime.optim import LossScaler, MeshAdamW, MeshOptimizer
 from .runtime.parallel import Parallel
 from .runtime.parallelize import parallelize
+from .spmd.shard_map import shard_map
 
 __all__ = [
     "COUNTER", "CommCounter", "Compiled", "LossScaler", "MeshAdamW", "MeshOptimizer", "Parallel", "PeakTracker",
-    "checkpoint", "compile_model", "export", "parallelize",
+    "checkpoint", "compile_model", "export", "lax", "parallelize", "shard_map",
 ]  # fmt: skip
