@@ -85,6 +85,11 @@ def sac_saves_bypass_hooks(forward_context) -> None:
         forward_context.respect_saved_tensors_hooks = False
 
 
+def version(t: torch.Tensor) -> int:
+    """A tensor's version counter: bumped by every in-place write to it (or to a view of it)."""
+    return t._version
+
+
 def in_backward() -> bool:
     """True while autograd runs a backward pass (FSDP2's gathers are counted by phase)."""
     return torch._C._current_graph_task_id() != -1
@@ -136,6 +141,7 @@ __all__ = [
     "AllGather", "FX_ASSERTS", "FakeTensorMode", "HigherOrderOperator", "OpOverload", "ReduceScatter",
     "StridedShard", "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "in_backward",
     "local_tensor", "make_wrapper_subclass", "own_buffers", "own_parameters", "pipeline_keeps_grad_buffers",
-    "pytree", "runtime_schedule", "sac_saves_bypass_hooks", "shard_size_and_offsets", "storage_key", "view_base",
+    "pytree", "runtime_schedule", "sac_saves_bypass_hooks", "shard_size_and_offsets", "storage_key", "version",
+    "view_base",
     "world_timeout",
 ]  # fmt: skip

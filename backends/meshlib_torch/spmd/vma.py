@@ -22,6 +22,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..torch_private import version
 from .records import Call
 from .region import Axes, Region, user_line
 
@@ -64,7 +65,7 @@ def pvary(x: torch.Tensor, region: Region, axes: tuple[str, ...], call) -> torch
     extra = _mesh_order(region, [a for a in axes if a not in vma(x)])
     if not extra:
         return x
-    key = (id(x), x._version, extra)
+    key = (id(x), version(x), extra)
     casts = region.mode.casts if region.mode is not None else {}
     if key in casts:
         return casts[key][1]
