@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 import meshlib as ml
 from meshlib_torch import compile_model
-from meshlib_torch.compiler.placement.localize import padding_row
 from meshlib_torch.compiler.placement.placements import chunk_rows
+from meshlib_torch.compiler.placement.rank_ops import padding_row
 from meshlib_torch.modules.special import VocabEmbedding
 from meshlib_torch.testing.pool import get_pool
 from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
@@ -101,7 +101,9 @@ def test_a_fused_qkv_of_unequal_parts_trains_as_the_single_process(name, mesh):
     """fp64, to 1e-12: the parts' local bounds, the bias's blocks and the weight's rank order are exact."""
     build, rules, batch, loss = rm.MODELS[name]
     trial = Trial(build, batch, mesh=mesh, rules=rules, loss=loss, lr=1e-3)
-    assert_same(run_single(trial), get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)[0], rtol=1e-12, atol=1e-12)
+    assert_same(
+        run_single(trial), get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)[0], rtol=1e-12, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("name", ["gemma", "phi3"])
@@ -111,7 +113,9 @@ def test_sequence_parallel_pattern(name):
     every tp rank) sum their gradients over tp (h fp32 values each, 2 per layer and the final norm)."""
     build, rules, batch, loss = rm.MODELS[name]
     m = ml.Mesh.parse("tp=2")
-    plan = compile_model(build(), mesh=m, rules=rules(m), example_inputs=batch(0), loss=loss, sequence_parallel=True).plan
+    plan = compile_model(
+        build(), mesh=m, rules=rules(m), example_inputs=batch(0), loss=loss, sequence_parallel=True
+    ).plan
     bsh, bs = rm.BATCH * rm.SEQ * HIDDEN * FP32, rm.BATCH * rm.SEQ * FP32
     each_way = [("reduce_scatter", bsh)] * (2 * LAYERS + 1) + [("all_gather", bsh)] * (2 * LAYERS + 1)
     want = [("forward", k, b) for k, b in each_way] + [("backward", k, b) for k, b in each_way]

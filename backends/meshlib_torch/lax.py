@@ -102,7 +102,7 @@ def psum(x, axis_name, *, axis_index_groups=None):
 def pmean(x, axis_name, *, axis_index_groups=None):
     """`psum(x) / axis_size`."""
     size = _start("pmean", axis_name, axis_index_groups)[1].size
-    return optree.tree_map(lambda t: t / size, _reduce("psum", x, axis_name, "sum", axis_index_groups))
+    return optree.tree_map(lambda t: t / size, _reduce("pmean", x, axis_name, "sum", axis_index_groups))
 
 
 def pmax(x, axis_name, *, axis_index_groups=None):

@@ -85,6 +85,13 @@ def sac_saves_bypass_hooks(forward_context) -> None:
         forward_context.respect_saved_tensors_hooks = False
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """A fake tensor (shapes, dtype and device; no data), as the compiler's tracing passes run on."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def version(t: torch.Tensor) -> int:
     """A tensor's version counter: bumped by every in-place write to it (or to a view of it)."""
     return t._version
@@ -139,7 +146,7 @@ def make_wrapper_subclass(cls, shape, *, dtype, device):
 
 __all__ = [
     "AllGather", "FX_ASSERTS", "FakeTensorMode", "HigherOrderOperator", "OpOverload", "ReduceScatter",
-    "StridedShard", "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "in_backward",
+    "StridedShard", "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "in_backward", "is_fake",
     "local_tensor", "make_wrapper_subclass", "own_buffers", "own_parameters", "pipeline_keeps_grad_buffers",
     "pytree", "runtime_schedule", "sac_saves_bypass_hooks", "shard_size_and_offsets", "storage_key", "version",
     "view_base",

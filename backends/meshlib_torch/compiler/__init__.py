@@ -11,7 +11,8 @@ placement/      each value's placement on each mesh axis, and the graph one rank
   annotate        parameter specs from the rules, input specs from the user; fused projections' parts
   propagate       a placement for every value, the cheapest the op rules (`ops`) allow
   redistribute    exactly the collectives the placements need, each with its backward
-  localize        every node on its rank's shard; the rank-dependent ops (`modules.special`)
+  localize        every node on its rank's shard; the rank-dependent ops (`rank_ops`: the vocab-parallel
+                  embedding and loss, a region of per-shard code), run by `modules.special`
 estimates/      what the program moves and holds, per rank and step
   records         the plan's collectives, with bytes and provenance
   saved           what each op keeps for backward: what recompute and backward run again, what a layer keeps

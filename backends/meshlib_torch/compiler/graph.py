@@ -32,6 +32,7 @@ from .placement import annotate as _annotate
 from .placement.localize import fold_scalars, localize
 from .placement.placements import Shard
 from .placement.propagate import Axes, propagate
+from .placement.rank_ops import check_regions
 from .placement.redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
 from .placement.shapes import ragged_dims
 from .program import Compiled, OneGraph, check_zero, data_axes, input_layouts, model_state
@@ -137,6 +138,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
             f"replicate_axes {bad} are not data-parallel axes of this plan ({data}); "
             "HSDP replicates over some of those"
         )
+    check_regions(gm, axes)
     plans = propagate(gm, axes, params=layouts, inputs=in_layouts)
     synced = partial_grad_params(plans, axes, data)
     trainable = {n for n, p in traced.params.items() if p.requires_grad}
@@ -149,7 +151,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     comms = insert_comms(gm, plans, axes, deferred=data)
     if not options.allow_data_gather:
         _refuse_data_gathers(comms, plans, axes, data)
-    specials = localize(gm, plans, axes, set(traced.params))
+    specials = localize(gm, plans, axes, set(traced.params), data)
     gm.graph.lint()
     plan = plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, options.sequence_parallel, layouts)
     plan = with_data_parallel(plan, data, options)

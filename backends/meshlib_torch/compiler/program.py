@@ -23,9 +23,9 @@ from meshlib.options import Parallelism
 from ..modules.recompute import Remat
 from .capture.trace import Traced
 from .placement.annotate import check_single_axis_uneven, spec_to_layout
-from .placement.localize import SpecialSpec
 from .placement.placements import Layout, Shard, zero1_split
 from .placement.propagate import Axes, NodePlan
+from .placement.rank_ops import SpecialSpec
 from .placement.redistribute import CommSpec
 from .placement.shapes import local_shape, ragged_dims, rank_order, shard_indices
 
@@ -281,7 +281,6 @@ def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
         split = zero1_split(compiled.local_param_shape(name), n, layout, ragged)
         out[name] = None if split is None else split[0]
     return out
-
 
 
 __all__ = [

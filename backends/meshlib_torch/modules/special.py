@@ -1,4 +1,5 @@
-"""Ops whose local form depends on the rank: a vocab-parallel embedding and a sharded cross-entropy.
+"""Ops whose local form depends on the rank: a vocab-parallel embedding, a sharded cross-entropy, and a
+region of per-shard code (`meshlib_torch.shard_map` inside a compiled model).
 
 Both follow Megatron-LM's vocab-parallel formulas. The cross-entropy also
 takes rows split over data-parallel axes: it returns this rank's share of the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,14 +116,42 @@ class CrossEntropy(nn.Module):
         return per_row.sum() / count.to(per_row.dtype)
 
 
-def special_module(spec, coords: dict[str, int], reduce: Reduce = no_reduce) -> nn.Module:
-    """The module that runs one rank-dependent op (`localize.SpecialSpec`) on the rank at `coords`."""
+class RegionModule(nn.Module):
+    """A region of per-shard code on this rank: the graph gives its tensor arguments (this rank's shards,
+    as the region's in specs place them) and takes its results' shards; its collectives go through
+    `backend` (c10d on the mesh's groups, or `MetaBackend` in a dry run)."""
+
+    def __init__(self, *, fn, template: tuple, deferred: tuple, backend, **_):
+        super().__init__()
+        self.fn, self.template, self.deferred, self.backend = fn, template, frozenset(deferred), backend
+
+    def forward(self, *tensors: torch.Tensor):
+        from ..compiler.placement.rank_ops import TENSOR
+        from ..spmd.region import Region
+        from ..spmd.run import run_region
+        from ..spmd.vma import VmaMode
+
+        fn, given = self.fn, iter(tensors)
+        region = Region(fn.mesh, self.backend, check_vma=fn.check_vma, deferred=self.deferred)
+        region.mode = VmaMode(region) if fn.check_vma else None
+        args = tuple(next(given) if a is TENSOR else a for a in self.template)
+        outs, tree = run_region(fn.f, region, args, in_specs=fn.in_specs, out_specs=fn.out_specs)
+        return optree.tree_unflatten(tree, [o.value for o in outs])
+
+
+def special_module(spec, coords: dict[str, int], reduce: Reduce = no_reduce, backend=None) -> nn.Module:
+    """The module that runs one rank-dependent op (`rank_ops.SpecialSpec`) on the rank at `coords`; a
+    region's collectives go through `backend` (`spmd.MetaBackend()` when None: a dry run)."""
     if spec.kind == "vocab_embedding":
         module = VocabEmbedding(**spec.args, rank=coords.get(spec.args["axis"], 0))
+    elif spec.kind == "shard_map":
+        from ..spmd.backend import MetaBackend
+
+        module = RegionModule(**spec.args, backend=MetaBackend() if backend is None else backend)
     else:
         module = CrossEntropy(**spec.args, rank=coords.get(spec.args["vocab_axis"], 0), reduce=reduce)
     module.spec = spec
     return module
 
 
-__all__ = ["CrossEntropy", "Reduce", "VocabEmbedding", "no_reduce", "special_module"]
+__all__ = ["CrossEntropy", "Reduce", "RegionModule", "VocabEmbedding", "no_reduce", "special_module"]

@@ -101,7 +101,7 @@ def output_cast(t: torch.Tensor, spec: P, region: Region, call: Call) -> torch.T
     with its cotangent scaled by 1/size of the axes the spec leaves out (untyped)."""
     if region.check_vma:
         return pvary(t, region, tuple(a for a in region.mesh.axis_names if a in spec.axes), call)
-    rest = _unmentioned(spec, region.mesh)
+    rest = tuple(a for a in _unmentioned(spec, region.mesh) if a not in region.deferred)
     if not rest or not (t.requires_grad and torch.is_grad_enabled()):
         return t
     return _Scale.apply(t, 1.0 / _axes(region.mesh, rest).size)

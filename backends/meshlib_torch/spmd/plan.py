@@ -50,11 +50,14 @@ def _meta(leaf: Leaf, grad: bool):
     return out.requires_grad_(grad and (out.is_floating_point() or out.is_complex()))
 
 
-def abstract_run(f, mesh: Mesh, leaves: list[Leaf], treedef, out_specs, *, check_vma: bool, backward: bool = False):
+def abstract_run(
+    f, mesh: Mesh, leaves: list[Leaf], treedef, out_specs, *, check_vma: bool, backward: bool = False,
+    deferred: frozenset = frozenset(),
+):  # fmt: skip
     """Run `f` on meta twins of `leaves` (local shapes): `(result leaves, result treedef, records)`, the
-    results cast to their out specs."""
+    results cast to their out specs (`deferred`: see `Region`)."""
     backend = MetaBackend()
-    region = Region(mesh, backend, check_vma=check_vma)
+    region = Region(mesh, backend, check_vma=check_vma, deferred=deferred)
     region.mode = VmaMode(region)
     args = optree.tree_unflatten(treedef, [_meta(leaf, backward) for leaf in leaves])
     in_specs = optree.tree_unflatten(treedef, [leaf.spec for leaf in leaves])
@@ -77,15 +80,19 @@ def abstract_run(f, mesh: Mesh, leaves: list[Leaf], treedef, out_specs, *, check
 
 
 def region_collectives(
-    f, /, *, mesh: Mesh, in_specs, out_specs, args: tuple, check_vma: bool = True, backward: bool = True
-) -> RegionPlan:
+    f, /, *, mesh: Mesh, in_specs, out_specs, args: tuple, check_vma: bool = True, backward: bool = True,
+    deferred: frozenset = frozenset(),
+) -> RegionPlan:  # fmt: skip
     """The collectives one rank runs in `f` (and in its backward), on meta tensors of the local shapes
-    `args` (a tuple, as `f` takes them). Raises what shard_map would before running anything."""
+    `args` (a tuple, as `f` takes them). Raises what shard_map would before running anything.
+    `deferred`: axes whose implicit casts' gradient sums the caller runs (`Region`), left out."""
     name = getattr(f, "__name__", repr(f))
     check_spec_tree(in_specs, mesh, "in_specs")
     check_spec_tree(out_specs, mesh, "out_specs")
     leaves, treedef = match(in_specs, tuple(args), "args", "in_specs", name)
-    outs, out_tree, records = abstract_run(f, mesh, leaves, treedef, out_specs, check_vma=check_vma, backward=backward)
+    outs, out_tree, records = abstract_run(
+        f, mesh, leaves, treedef, out_specs, check_vma=check_vma, backward=backward, deferred=deferred
+    )
     shapes = [ShapeDtype(tuple(o.value.shape), o.value.dtype) for o in outs]
     return RegionPlan(
         records, optree.tree_unflatten(out_tree, shapes), optree.tree_unflatten(out_tree, [vma(o.value) for o in outs])

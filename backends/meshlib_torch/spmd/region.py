@@ -39,10 +39,13 @@ class Axes:
 class Region:
     """One run of a per-shard function: `mesh`, the collective `backend`, and whether values carry their
     varying axes (`check_vma`, JAX's typing). `mode` is the `VmaMode` that types every torch op while the
-    region is entered (None: untyped)."""
+    region is entered (None: untyped). `deferred`: axes over which the gradient of an implicit cast to
+    varying (a pvary) is left partial, for the caller to sum: a compiled model's data-parallel axes,
+    whose gradients the runtime sums once per step (summing them here too would count them twice)."""
 
-    def __init__(self, mesh: Mesh, backend, *, check_vma: bool):
+    def __init__(self, mesh: Mesh, backend, *, check_vma: bool, deferred: frozenset = frozenset()):
         self.mesh, self.backend, self.check_vma = mesh, backend, check_vma
+        self.deferred = frozenset(deferred)  # axes whose implicit casts' gradient sums the caller runs
         self.mode = None
 
     @property

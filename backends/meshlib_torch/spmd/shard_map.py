@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 
 import optree
-import torch
 import torch.distributed as c10d
 from torch.distributed.tensor import DTensor
 
@@ -36,11 +35,12 @@ from meshlib import Mesh
 from ..runtime import dist
 from .boundary import check_dtensor, from_dtensor, localize, to_dtensor
 from .eager import EagerBackend
+from .mapped import ShardMapped, local_args
 from .plan import abstract_run
 from .records import Call
 from .region import Region, user_line
 from .run import run_region
-from .specs import Leaf, check_spec_tree, local_shape, match
+from .specs import Leaf, check_spec_tree
 from .vma import VmaMode
 
 __all__ = ["shard_map"]
@@ -57,37 +57,16 @@ def shard_map(f, /, *, mesh: Mesh, in_specs, out_specs, check_vma: bool = True):
     check_spec_tree(in_specs, mesh, "in_specs")
     check_spec_tree(out_specs, mesh, "out_specs")
 
-    @functools.wraps(f)
-    def mapped(*args):
-        return _call(f, mesh, in_specs, out_specs, check_vma, args)
-
-    return mapped
-
-
-def _inputs(f, mesh: Mesh, in_specs, args) -> tuple[list[Leaf], list[Leaf], object]:
-    """`(leaves, local leaves, treedef)`: the arguments, and the same with every mapped tensor replaced by
-    a meta tensor of the shard one rank holds (checked: a tensor, a spec that fits it)."""
-    name = getattr(f, "__name__", repr(f))
-    leaves, treedef = match(in_specs, args, "args", "in_specs", name)
-    local = []
-    for leaf in leaves:
-        if leaf.spec is not None and not isinstance(leaf.value, torch.Tensor):
-            raise TypeError(
-                f"shard_map({name}): {leaf.path} is a {type(leaf.value).__name__}, not a tensor, but in_specs gives "
-                f"it {leaf.spec!r}. Fix: pass a tensor, or give it the spec None to pass it to f unchanged"
-            )
-        if leaf.spec is None:
-            local.append(leaf)
-            continue
-        if isinstance(leaf.value, DTensor):
-            check_dtensor(leaf, mesh, name)
-        shape = local_shape(leaf, tuple(leaf.value.shape), mesh, name)
-        local.append(Leaf(leaf.path, torch.empty(shape, dtype=leaf.value.dtype, device="meta"), leaf.spec))
-    return leaves, local, treedef
+    eager = functools.partial(_call, f, mesh, in_specs, out_specs, check_vma)
+    return ShardMapped(f, mesh, in_specs, out_specs, check_vma, eager)
 
 
 def _call(f, mesh: Mesh, in_specs, out_specs, check_vma: bool, args: tuple):
-    leaves, local, treedef = _inputs(f, mesh, in_specs, args)
+    mapped = ShardMapped(f, mesh, in_specs, out_specs, check_vma, None)
+    leaves, local, treedef = local_args(mapped, args)
+    for leaf in leaves:
+        if leaf.spec is not None and isinstance(leaf.value, DTensor):
+            check_dtensor(leaf, mesh, getattr(f, "__name__", repr(f)))
     if check_vma:  # every rank raises the same error here, before any collective
         abstract_run(f, mesh, local, treedef, out_specs, check_vma=True)
     dm = dist.device_mesh(mesh)

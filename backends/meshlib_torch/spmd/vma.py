@@ -18,6 +18,8 @@ needs a gradient with varying ones must be given inputs cast alike (`lax.pcast(w
 
 from __future__ import annotations
 
+import math
+
 import optree
 import torch
 from torch.overrides import TorchFunctionMode
@@ -52,9 +54,14 @@ class _Pvary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if not ctx.region.check_vma:  # untyped (check_vma=False): JAX's pvary is then the identity
+        region = ctx.region
+        if not region.check_vma:  # untyped (check_vma=False): JAX's pvary is then the identity
             return grad, None, None, None
-        return ctx.region.backend.all_reduce(grad, ctx.axes, "sum", ctx.call), None, None, None
+        names = tuple(a for a in ctx.axes.names if a not in region.deferred)  # the caller sums the rest
+        if not names:
+            return grad, None, None, None
+        axes = Axes(names, math.prod(region.mesh.axis_size(a) for a in names))
+        return region.backend.all_reduce(grad, axes, "sum", ctx.call), None, None, None
 
 
 def pvary(x: torch.Tensor, region: Region, axes: tuple[str, ...], call) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Where a node came from: the user's source line, outside torch and meshlib's compiler."""
+"""Where a node came from: the user's source line, outside torch, meshlib's compiler and its shard_map."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import traceback
 
 import torch.fx as fx
 
-TORCH_DIR = re.compile(r"[/\\](torch|meshlib_torch[/\\]compiler)[/\\]")
+TORCH_DIR = re.compile(r"[/\\](torch|meshlib_torch[/\\](compiler|spmd))[/\\]")
 
 
 def source_line(node: fx.Node) -> str:

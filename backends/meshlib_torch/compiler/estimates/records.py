@@ -22,9 +22,9 @@ from meshlib.options import Parallelism
 from ...torch_private import OpOverload
 from ..capture.source import source_line
 from ..capture.trace import Traced
-from ..placement.localize import SpecialSpec
 from ..placement.placements import zero1_split
 from ..placement.propagate import Axes
+from ..placement.rank_ops import RANK_OPS
 from ..placement.redistribute import collective_records
 from ..placement.shapes import local_shape, ragged_dims
 from ..program import deferred_loss, fsdp_whole
@@ -36,7 +36,8 @@ def graph_collectives(
     """The collectives of one run of a graph holding `comms` and `specials`, `count` runs per step
     (a microbatch each) on the ranks at pp coordinate `pp_rank`; `remat`: what recompute and
     backward run again (`saved.remat_of`)."""
-    records = collective_records(comms, axes, remat) + special_records(specials, axes)
+    records = collective_records(comms, axes, remat)
+    records += [r for spec in specials for r in RANK_OPS[spec.kind].records(spec, axes)]  # rank-dependent ops'
     return [
         Collective(
             r["kind"], r["axes"], r["bytes"], r["node"], r["op"], r["source"], r["reason"], r["phase"], count,
@@ -119,36 +120,6 @@ def op_name(target) -> str:
     return f"{module}.{getattr(target, '__name__', target)}".lstrip(".")
 
 
-def special_records(specials: list[SpecialSpec], axes: Axes) -> list[dict]:
-    """Collectives inside the rank-dependent ops (loss-parallel cross-entropy)."""
-    out = []
-    sizes = dict(zip(axes.names, axes.sizes))
-    for spec in specials:
-        if spec.kind != "cross_entropy":
-            continue
-        rows = spec.args.get("rows_local", 0)
-        if spec.args["vocab_axis"]:
-            axis = spec.args["vocab_axis"]
-            for what in ("max", "sum-exp and target logit"):
-                n_val = 1 if what == "max" else 2
-                out.append(
-                    dict(
-                        kind="all_reduce", axes=(axis,), bytes=rows * spec.args["itemsize"] * n_val, node=spec.name,
-                        op="cross_entropy", source="", reason=f"loss-parallel {what}", phase="forward",
-                        group=sizes[axis], bus=0,
-                    )
-                )  # fmt: skip
-        for axis in spec.args["rows_axes"]:
-            if spec.args["reduction"] == "mean" and not spec.args.get("count_from"):  # else counted from the batch
-                out.append(
-                    dict(
-                        kind="all_reduce", axes=(axis,), bytes=8, node=spec.name, op="cross_entropy", source="",
-                        reason="global count of targets", phase="forward", group=sizes[axis], bus=0,
-                    )
-                )  # fmt: skip
-    return out
-
-
 def with_data_parallel(plan: Plan, data: tuple[str, ...], options: Parallelism) -> Plan:
     """The plan's data-parallel axes, zero level, precision and recompute (the gradient sync itself
     is a step's collectives: `dp_collectives`)."""
@@ -156,7 +127,10 @@ def with_data_parallel(plan: Plan, data: tuple[str, ...], options: Parallelism) 
     if options.replicate_axes:
         notes["hsdp replicate axes"] = ",".join(options.replicate_axes)
     return plan.replace(
-        zero=options.zero, precision=options.precision, recompute=options.recompute, notes=tuple(notes.items()),
+        zero=options.zero,
+        precision=options.precision,
+        recompute=options.recompute,
+        notes=tuple(notes.items()),
         uneven=options.uneven,
     )
 
@@ -227,8 +201,7 @@ def dp_sync_steps(zero: int, numel: int, param_b: int, reduce_b: int, shard: tup
     return steps
 
 
-
 __all__ = [
     "GRAD_SYNC", "PARAM_GATHER", "RANDOM_NOTE", "dp_collectives", "dp_sync_steps", "graph_collectives", "op_name",
-    "plan_of", "special_records", "step_collectives", "with_data_parallel",
+    "plan_of", "step_collectives", "with_data_parallel",
 ]  # fmt: skip

@@ -150,7 +150,7 @@ def _items(compiled, found: Census) -> dict[int, tuple[tuple[str, int], ...]]:
             label = f"{maker} ({_op(nodes.get(maker))}{', kept by the op itself' if k in found.inner else ''})"
             out.setdefault(part, {}).setdefault(label, {})[k] = found.nbytes[k]
     out = {p: {label: sum(d.values()) for label, d in labels.items()} for p, labels in out.items()}
-    return {p: tuple(sorted(d.items(), key=lambda kv: -kv[1])) for p, d in out.items()}
+    return {p: tuple(sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))) for p, d in out.items()}
 
 
 def _is_state(node: fx.Node) -> bool:

@@ -18,6 +18,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...spmd.mapped import ShardMapped
+
 aten = torch.ops.aten
 
 
@@ -30,6 +32,7 @@ class OpView:
     # while a rule runs for one mesh axis: the inputs' and the output's shapes on a rank after the
     # earlier axes' shards (a shard's groups count in those); None: the global shapes
     local: tuple[list[tuple[int, ...]], tuple[int, ...]] | None = None
+    axis: int = -1  # while a rule runs: the index of the mesh axis it runs for
 
     @property
     def out(self):
@@ -376,6 +379,8 @@ def bind(node: fx.Node) -> OpView:
             return OpView(node, "index", {"index": node.args[1]}, [node.args[0]])
     if not torch.is_tensor(val) and not (isinstance(val, (list, tuple)) and val and torch.is_tensor(val[0])):
         return OpView(node, "scalar")
+    if isinstance(target, ShardMapped):  # a region of per-shard code: its specs are its rule
+        return OpView(node, "shard_map", {"fn": target}, [a for a in node.args if is_tensor_node(a)])
     if target not in _TABLE:
         return OpView(node, "unknown", {}, [a for a in node.all_input_nodes if is_tensor_node(a)])
     kind, names = _TABLE[target]

@@ -455,6 +455,25 @@ def unbind(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     return out + [Strategy((PARTIAL,), (PARTIAL,) * k), Strategy((R,), (R,) * k)]
 
 
+def shard_map(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """A region of per-shard code (`meshlib_torch.shard_map`): its inputs as its in specs place them on
+    this axis, its results as its out specs do; nothing else."""
+    fn = v.p["fn"]
+    ins, outs = region_layouts(fn, len(v.tensors), isinstance(v.out, (list, tuple)))
+    out = tuple(lay[v.axis] for lay in outs)
+    return [Strategy(tuple(lay[v.axis] for lay in ins), out if isinstance(v.out, (list, tuple)) else out[0])]
+
+
+def region_layouts(fn, n_inputs: int, multi: bool) -> tuple[list, list]:
+    """The layouts a region's specs give its `n_inputs` tensor inputs and its results (one, or a tuple):
+    a P for each, or one for all (a tree prefix, as shard_map takes them)."""
+    from .annotate import spec_to_layout
+
+    ins = fn.in_specs if isinstance(fn.in_specs, (list, tuple)) else (fn.in_specs,) * n_inputs
+    outs = fn.out_specs if multi else (fn.out_specs,)
+    return [spec_to_layout(s, fn.mesh) for s in ins], [spec_to_layout(s, fn.mesh) for s in outs]
+
+
 def replicate(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     """Any op: every input whole, the output whole on every rank."""
     return [Strategy((R,) * len(cur), R)]
@@ -471,6 +490,7 @@ RULES = {
     "slice": slice_, "select": slice_, "tri": tri, "like": like, "unknown": replicate,
     "pointwise": pointwise, "scan": scan, "diff": diff, "pad": pad, "new": new, "gather": gather,
     "index_select": index_select, "index_tensor": index_tensor, "stack": stack, "unbind": unbind,
+    "shard_map": shard_map,
 }  # fmt: skip
 
 __all__ = ["RULES", "Strategy", "Partial", "Replicate"]

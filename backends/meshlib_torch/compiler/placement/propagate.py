@@ -212,6 +212,7 @@ def _plan_op(view: OpView, plans: dict, axes: Axes, avail: dict) -> NodePlan:
         shapes = _local_shapes(view, [tuple(x) for x in need], axes, i)
         if not multi:
             view.local = (shapes, _shrunk(tuple(view.out.shape), out_per_axis, axes))
+        view.axis = i
         cut = None
         if axes.uneven:
             cut = [_cut(tuple(x.meta["val"].shape), lay[:i], axes) for x, lay in zip(view.tensors, need)]

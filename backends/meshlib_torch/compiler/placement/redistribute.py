@@ -61,6 +61,13 @@ def _is_partial_grad(need: Layout, out, requires_grad: bool, i: int) -> bool:
     return any(o is not None and not isinstance(o[i], Replicate) for o in outs)
 
 
+def _region_partial_grad(plan: NodePlan, need: Layout, requires_grad: bool, i: int) -> bool:
+    """A region of per-shard code gives its inputs' gradients summed over the axes their specs leave out
+    when typed (JAX's check_vma); untyped, partial there, for the caller to sum (JAX's transpose). Over
+    the deferred axes it leaves them partial, as any op does (the rule above)."""
+    return requires_grad and not plan.view.p["fn"].check_vma and isinstance(need[i], Replicate)
+
+
 def batch_dependence(plans: dict[fx.Node, NodePlan], axes: Axes) -> dict[fx.Node, tuple[bool, ...]]:
     """Per value and axis: does it depend on an input split over that axis (the batch)?"""
     out: dict[fx.Node, tuple[bool, ...]] = {}
@@ -125,7 +132,9 @@ def insert_comms(
         for x, need in zip(plan.view.tensors, plan.need):
             rg = _requires_grad(x)
             pgrad = tuple(
-                _is_partial_grad(need, plan.out, rg, i) and not (axes.names[i] in deferred and not batch[x][i])
+                _region_partial_grad(plan, need, rg, i)
+                if plan.view.kind == "shard_map" and axes.names[i] not in deferred
+                else _is_partial_grad(need, plan.out, rg, i) and not (axes.names[i] in deferred and not batch[x][i])
                 for i in range(len(axes.names))
             )
             edges.setdefault((x, need), []).append((node, pgrad))

@@ -102,7 +102,7 @@ class LossSum:
 
 class TargetCounts:
     """A loss's global count of targets per microbatch, counted by every rank from the whole batch it
-    holds (the targets come from an input through views, pads and slices: `localize.count_recipe`), so
+    holds (the targets come from an input through views, pads and slices: `rank_ops.count_recipe`), so
     the loss needs no all-reduce for it."""
 
     def __init__(self, module, recipe: dict, layout, axes, microbatches: int):

@@ -16,6 +16,7 @@ from torch import nn
 from ...compiler.placement.placements import Pending
 from ...compiler.placement.redistribute import CommSpec
 from ...modules.special import special_module
+from ...spmd.eager import EagerBackend
 from .. import dist as mdist
 from ..comm import Comm, reducer
 
@@ -26,11 +27,12 @@ def apply_tensor(par) -> dict[str, nn.Module]:
     compiled = par.compiled
     groups = {a: mdist.group(par.device_mesh, a) for a in compiled.mesh.axis_names}
     coords = compiled.mesh.coords(dist.get_rank())
+    backend = EagerBackend(compiled.mesh, par.device_mesh)  # the regions' collectives, counted as Comm's are
 
     def bind(spec) -> nn.Module:
         if isinstance(spec, CommSpec):
             return Comm(spec, compiled.axes, groups, coords, mode=compiled.options.recompute)
-        return special_module(spec, coords, reducer(groups))
+        return special_module(spec, coords, reducer(groups), backend)
 
     bound: dict[str, nn.Module] = {}
     for module in par.stage_modules:
