@@ -11,6 +11,7 @@ JAX: a reduction drops its axes, `all_gather` keeps them and `all_gather_invaria
 - gathers and scatters: `all_gather`, `all_gather_invariant`, `psum_scatter`
 - exchanges: `all_to_all`, `ppermute`, `ragged_all_to_all` (dropless expert parallelism; `price=`
   `Bound(rows)` or `Expected(rows)` tells a dry run how many rows this rank sends)
+- meshlib's extension, which JAX has not: `all_to_all_v`, an exchange of row counts known on the host
 - where this shard is: `axis_index`, `axis_size`
 - typing: `pcast(x, axes, to="varying")` (jax 0.10 removed `pvary` in favour of it)
 
@@ -31,8 +32,8 @@ from .spmd.region import Axes, Region, current, user_line
 from .spmd.vma import pvary, set_vma, vma
 
 __all__ = [
-    "Bound", "Expected", "all_gather", "all_gather_invariant", "all_to_all", "axis_index", "axis_size", "pcast",
-    "pmax", "pmean", "pmin", "ppermute", "psum", "psum_scatter", "ragged_all_to_all",
+    "Bound", "Expected", "all_gather", "all_gather_invariant", "all_to_all", "all_to_all_v", "axis_index",
+    "axis_size", "pcast", "pmax", "pmean", "pmin", "ppermute", "psum", "psum_scatter", "ragged_all_to_all",
 ]  # fmt: skip
 
 
@@ -249,6 +250,45 @@ def _check_ragged(operand, output, sizes, axes: Axes, call: Call) -> None:
         raise ValueError(
             f"lax.ragged_all_to_all at {call.source}: operand and output must be tensors whose rows have one shape"
         )
+
+
+def all_to_all_v(x, axis_name, send_rows, recv_rows, *, price: Bound | Expected | None = None):
+    """meshlib's extension (JAX has no such op; it is MPI's Alltoallv, c10d's `all_to_all_single` with
+    split sizes): the rows of `x` cut in consecutive blocks, `send_rows[j]` rows going to index `j`
+    along `axis_name`; the result is the blocks received, `recv_rows[j]` rows from index `j`,
+    concatenated in index order. The counts are Python ints that the caller has read to the host
+    once (each rank's `recv_rows[j]` is index j's `send_rows` entry for it), so the exchange waits for
+    no value and its buffers have their exact sizes; `ragged_all_to_all` takes device offsets into an
+    output of fixed size instead. Backward: the same exchange with the counts swapped.
+
+    Counted as the rows this rank sends to other ranks (its own block stays). `price`: those rows for
+    a dry run, whose counts are guesses (`Expected`, `Bound`; default `Bound(sum(send_rows))`). The
+    result varies over `axis_name` and what `x` varies over."""
+    region, axes, call = _start("all_to_all_v", axis_name)
+    call = Call(call.op, call.source, price)
+    send, recv = _row_counts(send_rows, axes, call, "send_rows"), _row_counts(recv_rows, axes, call, "recv_rows")
+    x = _operand(region, x, axes, call, call.op)
+    if x.dim() < 1 or x.shape[0] != sum(send):
+        raise ValueError(
+            f"lax.all_to_all_v at {call.source}: x has {x.shape[0] if x.dim() else 'no'} rows but send_rows "
+            f"{list(send)} sum to {sum(send)}. Fix: send every row of x, in blocks by destination"
+        )
+    return _apply(region, C.AllToAllV, x, region, axes, call, send, recv, varies=vma(x))
+
+
+def _row_counts(rows, axes: Axes, call: Call, name: str) -> tuple[int, ...]:
+    if isinstance(rows, torch.Tensor):
+        raise TypeError(
+            f"lax.all_to_all_v at {call.source}: {name} is a tensor; it takes Python ints (host values). Fix: "
+            "read the counts once with .tolist() (one host sync), or use lax.ragged_all_to_all"
+        )
+    rows = tuple(rows)
+    if len(rows) != axes.size or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in rows):
+        raise ValueError(
+            f"lax.all_to_all_v at {call.source}: {name} must be {axes.size} non-negative ints (one per index along "
+            f"{axes.names}); got {list(rows)}"
+        )
+    return rows
 
 
 # -- where this shard is -------------------------------------------------------------------------

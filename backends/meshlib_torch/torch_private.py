@@ -139,6 +139,23 @@ def runtime_schedule(stages: list, microbatches: int, actions: dict, **kwargs):
     return sched
 
 
+# One matmul per group of rows, each group with its own weight (mixture-of-experts' grouped GEMM) in one kernel,
+# differentiable. torch has it only as the private `torch._grouped_mm` (absent in older releases). Its CPU kernel in
+# torch 2.13 takes float32, bfloat16 and float16 (not float64), int32 offsets (the groups' cumulative row counts,
+# any values), and matrices whose last two dims have one unit stride and the other a multiple of 16 bytes;
+# its meta kernel takes bfloat16 only. `experts.grouped` checks these before it calls it.
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
+def has_grouped_mm() -> bool:
+    return _GROUPED_MM is not None
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`a` (rows, k) times `b[g]` (k, n) for each group `g` of rows: `offs[g]` is where group g ends."""
+    return _GROUPED_MM(a, b, offs=offs)
+
+
 def make_wrapper_subclass(cls, shape, *, dtype, device):
     """A tensor subclass instance with no storage of its own (DCP reads the pieces it describes)."""
     return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
@@ -146,7 +163,8 @@ def make_wrapper_subclass(cls, shape, *, dtype, device):
 
 __all__ = [
     "AllGather", "FX_ASSERTS", "FakeTensorMode", "HigherOrderOperator", "OpOverload", "ReduceScatter",
-    "StridedShard", "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "in_backward", "is_fake",
+    "StridedShard", "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "grouped_mm",
+    "has_grouped_mm", "in_backward", "is_fake",
     "local_tensor", "make_wrapper_subclass", "own_buffers", "own_parameters", "pipeline_keeps_grad_buffers",
     "pytree", "runtime_schedule", "sac_saves_bypass_hooks", "shard_size_and_offsets", "storage_key", "version",
     "view_base",

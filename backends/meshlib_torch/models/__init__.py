@@ -10,6 +10,7 @@ import torch
 
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
+from .moe import MoE, MoEConfig, MoETransformer, update_balancing_bias
 from .ops import OpsConfig, OpsModel
 
 CONFIGS = {
@@ -30,11 +31,34 @@ CONFIGS = {
         vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, hidden_dim=53248, max_seq_len=8192,
         rope_theta=500000.0,
     ),
+    "moe-tiny": MoEConfig(
+        vocab_size=256, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_seq_len=64, n_experts=8, top_k=2,
+        moe_hidden_dim=16, router="softmax", aux_loss_coef=0.01,
+    ),
+    "moe-tiny-ds": MoEConfig(
+        vocab_size=256, dim=32, n_layers=3, n_heads=4, hidden_dim=64, max_seq_len=64, n_experts=8, top_k=2,
+        moe_hidden_dim=16, n_shared_experts=1, n_dense_layers=1, router="sigmoid", n_groups=4, topk_groups=2,
+        routed_scaling_factor=2.5, bias_update_rate=1e-3,
+    ),
+    # Mixtral 8x7B's shape (arXiv:2401.04088, table 1; mistralai/Mixtral-8x7B-v0.1 config.json): 46.7B parameters.
+    # aux_loss_coef is config.json's router_aux_loss_coef (transformers' loss is top_k times this model's per layer)
+    "mixtral-8x7b": MoEConfig(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336, max_seq_len=32768,
+        rope_theta=1e6, n_experts=8, top_k=2, moe_hidden_dim=14336, router="softmax", aux_loss_coef=0.02,
+    ),
+    # DeepSeek-V3's shape (arXiv:2412.19437, sec. 4.2; deepseek-ai/DeepSeek-V3 config.json), 4K pre-training
+    # context. Its multi-head latent attention is approximated by Llama's (128 heads of dim 56, no kv
+    # compression), which has ~1.1B more parameters over 61 layers; the multi-token prediction module is left out
+    "deepseek-v3": MoEConfig(
+        vocab_size=129280, dim=7168, n_layers=61, n_heads=128, hidden_dim=18432, max_seq_len=4096, norm_eps=1e-6,
+        n_experts=256, top_k=8, moe_hidden_dim=2048, n_shared_experts=1, n_dense_layers=3, router="sigmoid",
+        n_groups=8, topk_groups=4, routed_scaling_factor=2.5, bias_update_rate=1e-3,
+    ),
 }
 
 
 def model_class(cfg) -> type[torch.nn.Module]:
-    return {GPTConfig: GPT, LlamaConfig: Llama, OpsConfig: OpsModel}[type(cfg)]
+    return {GPTConfig: GPT, LlamaConfig: Llama, MoEConfig: MoETransformer, OpsConfig: OpsModel}[type(cfg)]
 
 
 def config(name: str, **overrides):
@@ -58,7 +82,8 @@ def build(name_or_cfg, *, device: str | torch.device = "meta", dtype: torch.dtyp
 
 
 __all__ = [
-    "CONFIGS", "GPT", "GPTConfig", "Llama", "LlamaConfig", "OpsConfig", "OpsModel", "build", "config", "model_class",
+    "CONFIGS", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MoE", "MoEConfig", "MoETransformer", "OpsConfig",
+    "OpsModel", "build", "config", "model_class", "update_balancing_bias",
 ]  # fmt: skip
 
 
@@ -94,7 +119,7 @@ def default_rules(name_or_cfg, mesh):
             "h.*.mlp.c_fc.bias": "mlp",
             "h.*.mlp.c_proj.weight": "embed mlp",
         }
-    else:
+    else:  # Llama; MoE models add their shared experts (routers and 3-D expert weights: replicated for now)
         table = {
             "tok_embeddings.weight": "vocab embed",
             "layers.*.attention.w[qkv].weight": "heads embed",
@@ -103,6 +128,9 @@ def default_rules(name_or_cfg, mesh):
             "layers.*.feed_forward.w2.weight": "embed mlp",
             "output.weight": "vocab embed",
         }
+        if isinstance(cfg, MoEConfig):
+            table["layers.*.moe.shared_experts.w[13].weight"] = "mlp embed"
+            table["layers.*.moe.shared_experts.w2.weight"] = "embed mlp"
     return ml.pattern_rules(table, logical=logical, default=ml.P())
 
 

@@ -98,7 +98,8 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def _rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's rotary tables (cos, sin), (max_seq_len, head_dim), computed in fp64."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
     angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv)
     angles = torch.cat((angles, angles), dim=-1)
@@ -127,7 +128,7 @@ class Llama(nn.Module):
 
     def init_buffers(self) -> None:
         """Fill the rotary tables (they are computed, not learned or saved)."""
-        cos, sin = _rope_tables(self.config)
+        cos, sin = rope_tables(self.config)
         self.rope_cos = cos.to(self.rope_cos.dtype, copy=True).to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.dtype, copy=True).to(self.rope_sin.device)
 

@@ -21,15 +21,15 @@ combine, ring attention. Its parts, one concern each:
    `meshlib.ShapeDtype`s, one rank's shards), forward and backward, and returns a `RegionPlan`:
    `records` (one `records.Record` per collective: lax op, plan kind, axes, group size, bytes per
    rank, phase, the user's source line, and `priced`: "exact", or "bound"/"expected" for a ragged
-   all-to-all priced from the `price=` its caller declared), and the results' local shapes and
-   varying axes. `Record.to_collective(node=...)` is the plan's `meshlib.Collective`. It raises,
+   all-to-all or all_to_all_v priced from the `price=` its caller declared), and the results' local
+   shapes and varying axes. `Record.to_collective(node=...)` is the plan's `meshlib.Collective`. It raises,
    before anything runs, every error shard_map would (a broken out-spec promise included).
 2. **Running a region inside a compiled model.** `run.run_region(f, region, args, in_specs=,
    out_specs=)` runs `f` on this rank's shards `args` in a `region.Region(mesh, backend,
    check_vma=...)` (set `region.mode = vma.VmaMode(region)` to type values): inputs typed by their
    specs, results checked and cast to the out specs. The backend is `eager.EagerBackend(mesh,
    device_mesh, counter)` for c10d counted in your counter, or one of your own (the protocol is in
-   `backend`'s docstring: seven primitives and `axis_index`). The lax collectives find the region
+   `backend`'s docstring: eight primitives and `axis_index`). The lax collectives find the region
    themselves; gradients take JAX's transposes through autograd.
 3. **The typing rules** are `vma.vma(t)` / `vma.set_vma` on any tensor, so a pass that rewrites
    rank-dependent ops into a region can type its inputs the way their specs say.

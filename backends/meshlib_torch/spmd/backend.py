@@ -19,6 +19,8 @@ A backend has `abstract` (True: meta tensors) and these primitives. `axes` is a 
     all_to_all(x, axes, split, concat, call) block j of split goes to rank j; received along concat
     permute(x, axes, pairs, call)            (source, dest) pairs of group indices; zeros if none
     ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes, call)
+    all_to_all_v(x, axes, send_rows, recv_rows, call)  rows of x in blocks of send_rows[j] to index j; the
+                                             blocks received (recv_rows[j] from j) in index order
     block(x, axes, dim)                      this rank's block of x along dim (no communication)
     axis_index(axes)                         this rank's index in the group, an int32 scalar
 
@@ -26,6 +28,8 @@ A new backend (the compiler's traced one, say) implements these; nothing in `lax
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -54,8 +58,8 @@ def _resized(x: torch.Tensor, scale: dict[int, tuple[int, int]]) -> torch.Tensor
 
 class MetaBackend:
     """Shapes and records, no communication: each primitive returns a meta tensor and appends a
-    `Record` to `records` (a ragged all-to-all priced from its call's `price`, else from the bound
-    its operand's rows set)."""
+    `Record` to `records` (a ragged all-to-all or all_to_all_v priced from its call's `price`, else
+    from the bound its operand's rows set: every row leaves)."""
 
     abstract = True
 
@@ -94,6 +98,12 @@ class MetaBackend:
         row = nbytes(operand[0]) if operand.dim() and operand.shape[0] else 0
         self._note(call, "all_to_all", axes, price.rows * row, type(price).__name__.lower())
         return torch.empty_like(output, device="meta")
+
+    def all_to_all_v(self, x, axes: Axes, send_rows, recv_rows, call: Call):
+        price = call.price or Bound(sum(send_rows))
+        row = math.prod(x.shape[1:]) * x.element_size()
+        self._note(call, "all_to_all", axes, price.rows * row, type(price).__name__.lower())
+        return torch.empty((sum(recv_rows),) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
 
     def block(self, x, axes: Axes, dim: int):
         return _resized(x, {dim: (1, axes.size)})

@@ -5,9 +5,10 @@ backward collectives too. Under vma typing (`check_vma=True`) the transposes are
 `jax/_src/lax/parallel.py`: psum's is the identity (a pvary: the cotangent of an invariant value is
 already whole; a second psum there is Megatron's f/g bug), pvary's is a psum, all_gather's a
 psum_scatter and back, all_gather_invariant's this rank's block, all_to_all's the swapped all_to_all,
-ppermute's the inverse permutation, ragged_all_to_all's the reverse exchange. Untyped
-(`check_vma=False`), JAX makes psum its own transpose and all_gather_invariant an all_gather
-(its slice would be wrong there), with the boundary scaling in `spmd.boundary`.
+ppermute's the inverse permutation, ragged_all_to_all's the reverse exchange (and meshlib's
+all_to_all_v's, the exchange with its row counts swapped). Untyped (`check_vma=False`), JAX makes
+psum its own transpose and all_gather_invariant an all_gather (its slice would be wrong there), with
+the boundary scaling in `spmd.boundary`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from torch.autograd import Function
 from .records import Call
 from .region import Axes, Region
 
-__all__ = ["AllGather", "AllGatherInvariant", "AllToAll", "Permute", "Psum", "PsumScatter", "Ragged", "Reduce"]
+__all__ = [
+    "AllGather", "AllGatherInvariant", "AllToAll", "AllToAllV", "Permute", "Psum", "PsumScatter", "Ragged", "Reduce",
+]  # fmt: skip
 
 
 class _Collective(Function):
@@ -100,6 +103,22 @@ class AllToAll(_Collective):
     @staticmethod
     def backward(ctx, grad):
         out = ctx.backend.all_to_all(grad, ctx.axes, ctx.concat, ctx.split, ctx.call)
+        return out, None, None, None, None, None
+
+
+class AllToAllV(_Collective):
+    """meshlib's all_to_all_v (host row counts): the transpose sends each block back, counts swapped."""
+
+    @staticmethod
+    def forward(ctx, x, region, axes, call, send_rows: tuple, recv_rows: tuple):
+        _Collective.setup(ctx, region, axes, call)
+        ctx.rows = send_rows, recv_rows
+        return region.backend.all_to_all_v(x, axes, send_rows, recv_rows, call)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_rows, recv_rows = ctx.rows
+        out = ctx.backend.all_to_all_v(grad, ctx.axes, recv_rows, send_rows, ctx.call)
         return out, None, None, None, None, None
 
 

@@ -5,10 +5,13 @@ them in another order (JAX allows `("tp", "dp")`) only renumbers the ranks, so b
 order the name gives (`order[i]`: the group rank of the name's index `i`). A point-to-point permute
 and a ragged exchange are one `all_to_all_single` with split sizes (zero for ranks it skips), which
 both backends run without send/recv pairing. Every call is counted in `COUNTER`: logical bytes per
-rank (an all-gather its output, a reduce-scatter its input, a ragged exchange the rows it sends).
+rank (an all-gather its output, a reduce-scatter its input, a ragged exchange the rows it sends, an
+all_to_all_v the rows it sends to other ranks).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as c10d
@@ -137,6 +140,17 @@ class EagerBackend:
         for k in (k for slot in slots for k in slot):
             flat[landing[k] : landing[k] + recvs[k]] = next(pieces)
         return result
+
+    def all_to_all_v(self, x, axes: Axes, send_rows, recv_rows, call: Call):
+        pg, order, inverse = self._group(axes)  # inverse[g]: the index along `axes` of group rank g
+        leaving = sum(send_rows) - send_rows[self.index(axes)]
+        self._count(call, "all_to_all", axes, leaving * math.prod(x.shape[1:]) * x.element_size())
+        same = inverse == list(range(axes.size))
+        x = x.contiguous() if same else torch.cat([x.split(list(send_rows))[i] for i in inverse])
+        sends, recvs = [send_rows[i] for i in inverse], [recv_rows[i] for i in inverse]
+        out = x.new_empty((sum(recv_rows),) + tuple(x.shape[1:]))
+        c10d.all_to_all_single(out, x, recvs, sends, group=pg)
+        return out if same else torch.cat([out.split(recvs)[g] for g in order])
 
     def block(self, x, axes: Axes, dim: int):
         size = x.shape[dim] // axes.size

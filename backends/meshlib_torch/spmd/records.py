@@ -1,10 +1,10 @@
 """What a per-shard function's collectives are, as data: one `Record` per collective it runs.
 
 A dry run (`spmd.plan.region_collectives`) records them on meta tensors instead of running them;
-an eager run counts the same bytes in `runtime.comm.COUNTER`. A ragged all-to-all moves as many
-rows as its data says, which a dry run cannot know: the caller declares `Bound(rows)` or
-`Expected(rows)` (`lax.ragged_all_to_all(..., price=...)`), and the record says which it was priced
-from (`priced`: "exact", "bound" or "expected").
+an eager run counts the same bytes in `runtime.comm.COUNTER`. A ragged all-to-all (or an
+all_to_all_v) moves as many rows as its data says, which a dry run cannot know: the caller declares
+`Bound(rows)` or `Expected(rows)` (`lax.ragged_all_to_all(..., price=...)`), and the record says
+which it was priced from (`priced`: "exact", "bound" or "expected").
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class Expected:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One call of a collective in user code: its lax name, the user's line, and (ragged all-to-all)
-    how a dry run prices the rows it sends. A backward pass reuses its forward's call."""
+    """One call of a collective in user code: its lax name, the user's line, and (ragged all-to-all,
+    all_to_all_v) how a dry run prices the rows it sends. A backward pass reuses its forward's call."""
 
     op: str
     source: str = ""
