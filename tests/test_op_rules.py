@@ -271,6 +271,21 @@ def _unbind(draw, n, gen):
     return OpCase(torch.unbind, [_rand((3, *_dims(draw, 2, n)), gen)], (In(0), 0))
 
 
+def _topk(draw, n, gen):
+    shape = _dims(draw, 3, n)
+    dim = draw(st.integers(-1, 2))
+    return OpCase(torch.topk, [_rand(shape, gen)], (In(0), draw(st.integers(1, shape[dim])), dim))
+
+
+def _scatter(draw, n, gen):
+    a, b = _dims(draw, 2, n)
+    dim = draw(st.integers(0, 1))
+    index = torch.randint(0, (a, b)[dim], (a, b), generator=gen)
+    if draw(st.booleans()):
+        return OpCase(torch.scatter_add, [_rand((a, b), gen), index, _rand((a, b), gen)], (In(0), dim, In(1), In(2)))
+    return OpCase(torch.scatter, [_rand((a, b), gen), index[:, :1] * 0, _rand((a, b), gen)], (In(0), dim, In(1), In(2)))
+
+
 CASES = {
     "add": _binary, "unary": _unary, "linear_unary": _linear_unary, "dropout": _dropout, "where": _where,
     "masked_fill": _masked_fill, "sum": _reduction, "softmax": _softmax, "norm": _norm, "linear": _linear,
@@ -279,7 +294,7 @@ CASES = {
     "repeat_interleave": _repeat_interleave, "split": _split, "cat": _cat, "index": _index, "slice": _slice,
     "tri": _tri, "like": _like, "unknown": _unknown, "pointwise": _pointwise, "scan": _scan, "diff": _diff,
     "pad": _pad, "new": _new, "gather": _gather, "index_select": _index_select, "index_tensor": _index_tensor,
-    "stack": _stack, "unbind": _unbind,
+    "stack": _stack, "unbind": _unbind, "topk": _topk, "scatter": _scatter,
 }  # fmt: skip
 # kinds that share a rule with one above: "sub", "mul", "div" (binary), "mean" (reduction), "select" (slice)
 SAME_RULE = {"sub": "add", "mul": "add", "div": "add", "mean": "sum", "select": "slice"}

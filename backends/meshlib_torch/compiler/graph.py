@@ -22,7 +22,7 @@ from meshlib.options import Parallelism
 from ..modules.recompute import Remat, gathers
 from .capture.blocks import layer_paths, partition
 from .capture.call import Call
-from .capture.moe import check_not_moe
+from .capture.moe import check_moe, expert_weight_specs, experts_as_regions
 from .capture.trace import trace
 from .capture.values import annotate_run_dtypes
 from .estimates.dryrun import dry_peak, local_input
@@ -59,7 +59,7 @@ def compile_graph(
     `estimate_memory`, the dry run's activations and peak too, and what each layer keeps for
     backward; `estimate_kept` the latter alone). `count_flops` notes each op's forward FLOPs on
     its node (`meta["flops"]`, a pipeline's stage cost)."""
-    check_not_moe(model)
+    check_moe(model)
     with _gc_paused():
         compiled = _compile(model, mesh, rules, call, options, count_flops)
     estimate_kept = (estimate_memory or estimate_kept) and compiled.layers > 0
@@ -116,11 +116,21 @@ def _refuse_data_gathers(comms: list[CommSpec], plans, axes: Axes, data: tuple[s
 
 def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: bool) -> Compiled:
     compute = getattr(torch, options.precision.param)
-    traced = trace(model, call, count_flops=count_flops, compute=compute)
+    in_layouts = input_layouts(call.tensors, options.in_specs, mesh, options.replicate_axes, options.uneven)
+    data = data_axes(in_layouts, mesh)
+    with experts_as_regions(model, mesh, data) as experts:
+        traced = trace(model, call, count_flops=count_flops, compute=compute)
     gm = traced.gm
     fold_scalars(gm)  # first: export's dtype asserts name the traced dtypes, not the compute dtype's
     annotate_run_dtypes(gm, call, compute)
     specs = _annotate.param_specs(traced.params, rules, mesh, traced.aliases, options.uneven)
+    specs = expert_weight_specs(specs, experts, mesh)
+    if experts and options.zero >= 1 and "ep" in mesh.axis_names:
+        raise NotImplementedError(
+            f"zero={options.zero} with expert parallelism: the experts' state would be sharded over the data axes "
+            "besides ep and the rest over all of them, which meshlib does not run yet. Fix: use zero=0 on a mesh "
+            "with ep"
+        )
     groups = _annotate.fuse_groups(gm)
     layouts = {n: _annotate.spec_to_layout(s, mesh) for n, s in specs.items()}
     declared = layouts
@@ -128,9 +138,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
                for n, lay in layouts.items()}  # fmt: skip
     plain = sorted(n for n in groups if layouts[n] == declared[n] and Shard(groups[n][0]) in declared[n])
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    in_layouts = input_layouts(call.tensors, options.in_specs, mesh, options.replicate_axes, options.uneven)
     axes = _axes(mesh, options, call)
-    data = data_axes(in_layouts, mesh)
     check_zero(options.zero, data, mesh)
     bad = [a for a in options.replicate_axes if a not in data]
     if bad:

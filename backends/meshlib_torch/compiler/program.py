@@ -133,8 +133,9 @@ class Compiled:
 
 
 def default_in_spec(mesh: Mesh, replicate_axes: tuple[str, ...] = ()) -> P:
-    """Inputs are split on their batch dim over the data-parallel axes: `dp`, and HSDP's replicate axes."""
-    data = tuple(a for a in mesh.axis_names if (a == "dp" or a in replicate_axes) and mesh.axis_size(a) > 1)
+    """Inputs are split on their batch dim over the data-parallel axes: `dp`, `ep` (expert parallelism borrows
+    data ranks, as torchtitan's dp2ep), and HSDP's replicate axes."""
+    data = tuple(a for a in mesh.axis_names if (a in ("dp", "ep") or a in replicate_axes) and mesh.axis_size(a) > 1)
     return P(data) if data else P()
 
 

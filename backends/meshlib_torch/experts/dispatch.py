@@ -45,11 +45,11 @@ def experts_ep(
     expert_e(v) = `down_proj[e] @ (silu(g) * u)` with `[g, u] = gate_up_proj[e] @ v` in halves.
 
     Call it inside `shard_map(experts_ep, mesh=mesh, in_specs=(P(data), P(data), P(data), P("ep"),
-    P("ep")), out_specs=P(data))`, `data` the axes the tokens are split over (e.g. ("dp", "ep")). See the
-    module docstring for the dropless and capacity modes (`capacity_factor=None`: dropless)."""
+    P("ep")), out_specs=P(data))`, `data` the axes the tokens are split over (e.g. ("dp", "ep")); with
+    `axis=None` every expert is on this rank and nothing is exchanged. See the module docstring for the dropless and capacity modes (`capacity_factor=None`: dropless)."""
     _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj)
     tokens, top_k = top_k_index.shape
-    n = lax.axis_size(axis)
+    n = 1 if axis is None else lax.axis_size(axis)
     gate_up, down = (_varying_like(w, x) for w in (gate_up_proj, down_proj))
     pairs = x.unsqueeze(1).expand(tokens, top_k, x.shape[1]).reshape(tokens * top_k, x.shape[1])
     flat = top_k_index.reshape(-1).long()
@@ -66,18 +66,23 @@ def _dropless(pairs, flat, gate_up, down, axis, n: int) -> torch.Tensor:
     local = gate_up.shape[0]
     order = torch.argsort(flat, stable=True)
     counts = expert_counts(flat, n * local)
-    arriving = lax.all_to_all(counts, axis, 0, 0, tiled=True)  # [source][local expert]: pairs sent to mine
+    arriving = counts if axis is None else lax.all_to_all(counts, axis, 0, 0, tiled=True)  # [source][expert]
     sent, got = _host_counts(counts, arriving, pairs.shape[0], local, n)
     send_rows = [sum(sent[j * local : (j + 1) * local]) for j in range(n)]
     recv_rows = [sum(got[s * local : (s + 1) * local]) for s in range(n)]
     group_rows = [sum(got[s * local + e] for s in range(n)) for e in range(local)]
     price = Expected(pairs.shape[0] * (n - 1) // n)  # for a dry run: balanced routing
-    rows = lax.all_to_all_v(pairs.index_select(0, order), axis, send_rows, recv_rows, price=price)
+    rows = _exchange(pairs.index_select(0, order), axis, send_rows, recv_rows, price)
     regroup = _by_local_expert(arriving, local, n, sum(recv_rows))
     out = expert_mlp(rows.index_select(0, regroup), group_rows, gate_up, down)
     out = torch.empty_like(out).index_copy(0, regroup, out)  # back in arrival order
-    home = lax.all_to_all_v(out, axis, recv_rows, send_rows, price=price)
+    home = _exchange(out, axis, recv_rows, send_rows, price)
     return torch.empty_like(home).index_copy(0, order, home)
+
+
+def _exchange(rows, axis, send_rows: list[int], recv_rows: list[int], price) -> torch.Tensor:
+    """`lax.all_to_all_v` over `axis`; with no axis (every expert on this rank) the rows stay."""
+    return rows if axis is None else lax.all_to_all_v(rows, axis, send_rows, recv_rows, price=price)
 
 
 def _host_counts(counts, arriving, pairs: int, local: int, n: int) -> tuple[list[int], list[int]]:
@@ -104,11 +109,11 @@ def _capped(pairs, flat, gate_up, down, axis, n: int, cap: int) -> torch.Tensor:
     place = positions(flat, experts)
     slot = torch.where(place < cap, flat * cap + place, experts * cap)  # dropped: a spare last row
     buf = pairs.new_zeros((experts * cap + 1, hidden)).index_copy(0, slot, pairs)[:-1]
-    rows = lax.all_to_all(buf, axis, 0, 0, tiled=True)  # [source][local expert][slot]
+    rows = buf if axis is None else lax.all_to_all(buf, axis, 0, 0, tiled=True)  # [source][local expert][slot]
     rows = rows.reshape(n, local, cap, hidden).transpose(0, 1).reshape(local * n * cap, hidden)
     out = expert_mlp(rows, [n * cap] * local, gate_up, down)
     out = out.reshape(local, n, cap, hidden).transpose(0, 1).reshape(experts * cap, hidden)
-    home = lax.all_to_all(out, axis, 0, 0, tiled=True)  # [expert][slot]: this rank's pairs
+    home = out if axis is None else lax.all_to_all(out, axis, 0, 0, tiled=True)  # [expert][slot]: this rank's
     return torch.cat([home, home.new_zeros((1, hidden))]).index_select(0, slot)
 
 

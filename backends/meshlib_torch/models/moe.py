@@ -38,8 +38,8 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 def _expert_counts(top_k_index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """How many (token, slot) pairs chose each expert: (E,), the dtype and device of `like` (E,)."""
-    flat = top_k_index.reshape(-1)
-    return torch.zeros_like(like).scatter_add(0, flat, torch.ones_like(flat, dtype=like.dtype))
+    experts = torch.arange(like.shape[0], device=like.device)
+    return (top_k_index.unsqueeze(-1) == experts).to(like.dtype).sum(dim=(0, 1))  # a sum over tokens: splits
 
 
 class TopKRouter(nn.Module):
@@ -134,7 +134,7 @@ def load_balancing_loss(probs: torch.Tensor, top_k_index: torch.Tensor) -> torch
     E * sum_e f_e * P_e, f_e the fraction of (token, slot) pairs routed to expert e (no gradient), P_e
     the mean of `probs` (T, E) over tokens. 1 when both are uniform. transformers'
     `load_balancing_loss_func` gives k times this for one layer (its f_e sums to k)."""
-    counts = _expert_counts(top_k_index, probs[0])
+    counts = _expert_counts(top_k_index, probs.new_zeros(probs.shape[-1]))
     return probs.shape[-1] * (counts / counts.sum() * probs.mean(dim=0)).sum()
 
 

@@ -1,19 +1,50 @@
-"""Mixture-of-experts blocks: refused, by name, until expert parallelism lands.
+"""Mixture-of-experts blocks: their experts become one `shard_map` region over `ep` (expert parallelism).
 
-A MoE block routes each token to a few experts chosen by value (top-k of a
-router), which needs expert parallelism's all-to-all: the compiler cannot
-place that yet. `check_not_moe` finds such blocks before anything is traced
-(a module with an `experts` child, or a class named like one: `...MoE...`,
-`...SparseMoeBlock`, `MixtureOfExperts`) and raises, naming them.
+An experts module is recognised by its layout, the one transformers 5 stores (Mixtral, DeepSeek-V3,
+Qwen-MoE) and the bundled MoE model shares: two 3-D parameters, `gate_up_proj` (E, 2I, H) and
+`down_proj` (E, H, I), no others, SwiGLU (`act_fn` SiLU when it has one), called as
+`experts(hidden (T, H), top_k_index (T, k), top_k_weights (T, k))`. While the model is traced
+(`experts_as_regions`), each such module's forward is a call of `experts.experts_ep` mapped over the
+mesh: the tokens split over the data axes (`ep` among them: it borrows data ranks), the experts split
+over `ep` (rank r holds E/ep of them), the tokens moved to them and back by all-to-all. The router and
+the shared expert stay in the graph as ordinary ops; the region is one node the compiler places by
+its specs, its collectives in the plan.
+
+Anything else that looks like a MoE block (an `experts` child of another layout, or a class named like
+one) is refused before tracing, naming it; so is an option meshlib does not run (router jitter noise).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 from torch import nn
 
+from meshlib import Mesh, P
+
 _MOE_CLASS = re.compile(r"moe|mixture_?of_?experts", re.IGNORECASE)
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The experts modules of `model` (see the module docstring), by qualified name."""
+    return {name: mod for name, mod in model.named_modules() if _is_experts(mod)}
+
+
+def _is_experts(mod: nn.Module) -> bool:
+    params = dict(mod.named_parameters(recurse=False))
+    if set(params) != set(EXPERT_PARAMS) or any(True for _ in mod.children() if not _is_act(_)):
+        return False
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return False
+    experts, inner2, hidden = gate_up.shape
+    return inner2 % 2 == 0 and tuple(down.shape) == (experts, hidden, inner2 // 2)
+
+
+def _is_act(mod: nn.Module) -> bool:
+    return isinstance(mod, nn.SiLU) or type(mod).__name__ in ("SiLUActivation", "SiLU")
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, str]]:
@@ -28,18 +59,106 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, str]]:
     return found
 
 
-def check_not_moe(model: nn.Module) -> None:
-    """Raise if `model` has mixture-of-experts blocks (see the module docstring)."""
-    blocks = moe_blocks(model)
-    if not blocks:
-        return
-    shown = ", ".join(f"{n or '(the model)'} ({cls})" for n, cls in blocks[:2])
-    more = f" and {len(blocks) - 2} more" if len(blocks) > 2 else ""
-    raise NotImplementedError(
-        f"{shown}{more}: mixture-of-experts blocks, which route tokens to experts by value. Expert parallelism "
-        "(the ep axis and its all-to-all) is not supported yet, so meshlib cannot place them. Fix: use a dense "
-        "model for now"
-    )
+def _moe_modules(model: nn.Module) -> list[tuple[str, str]]:
+    """Every module with an `experts` child, or named like a MoE block: `(fqn, class name)`."""
+    return [
+        (name, type(mod).__name__) for name, mod in model.named_modules()
+        if any(child == "experts" for child, _ in mod.named_children()) or _MOE_CLASS.search(type(mod).__name__)
+    ]  # fmt: skip
 
 
-__all__ = ["check_not_moe", "moe_blocks"]
+def _within(fqn: str, outer: str) -> bool:
+    return not outer or fqn == outer or fqn.startswith(f"{outer}.")
+
+
+def check_moe(model: nn.Module) -> None:
+    """Raise, naming them, on MoE blocks whose experts meshlib does not recognise or whose options it does
+    not run (see the module docstring)."""
+    experts = expert_modules(model)
+    unknown = [(n, c) for n, c in _moe_modules(model) if not any(_within(e, n) for e in experts)]
+    if unknown:
+        shown = ", ".join(f"{n or '(the model)'} ({cls})" for n, cls in unknown[:2])
+        more = f" and {len(unknown) - 2} more" if len(unknown) > 2 else ""
+        raise NotImplementedError(
+            f"{shown}{more}: mixture-of-experts blocks whose experts meshlib does not recognise. It runs experts "
+            "stored as transformers 5 stores them: a module with 3-D parameters gate_up_proj (E, 2I, H) and "
+            "down_proj (E, H, I), SwiGLU, called as experts(hidden, top_k_index, top_k_weights). Fix: store the "
+            "experts that way (the bundled MoE model shows how), or use a dense model"
+        )
+    for name, mod in model.named_modules():
+        noise = getattr(mod, "jitter_noise", 0.0)
+        if mod.training and isinstance(noise, float) and noise > 0 and any(_within(e, name) and e != name for e in experts):
+            raise NotImplementedError(
+                f"{name} ({type(mod).__name__}): router jitter noise {noise} in training multiplies the tokens by "
+                "random values each step, which no parallel run reproduces. Fix: set router_jitter_noise=0 in the "
+                "model's config"
+            )
+
+
+def expert_spec(mesh: Mesh) -> P:
+    """What an expert weight is split as: its expert dim over `ep`, when the mesh has it."""
+    return P("ep") if "ep" in mesh.axis_names else P()
+
+
+@contextlib.contextmanager
+def experts_as_regions(model: nn.Module, mesh: Mesh, data: tuple[str, ...], capacity_factor: float | None = None):
+    """While the block runs, each experts module's forward is `experts_ep` mapped over `mesh`."""
+    from ...experts import experts_ep
+    from ...spmd.shard_map import shard_map
+
+    axis = "ep" if "ep" in mesh.axis_names else None
+    tokens, weights = P(data or None), expert_spec(mesh)
+    mapped = shard_map(
+        _with(experts_ep, axis, capacity_factor), mesh=mesh, in_specs=(tokens, tokens, tokens, weights, weights),
+        out_specs=tokens,
+    )  # fmt: skip
+    patched = expert_modules(model)
+    for mod in patched.values():
+        mod.forward = _region_forward(mod, mapped)
+    try:
+        yield patched
+    finally:
+        for mod in patched.values():
+            del mod.forward
+
+
+def _with(fn, axis, capacity_factor):
+    def experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
+        return fn(x, top_k_index, top_k_weights, gate_up_proj, down_proj, axis=axis, capacity_factor=capacity_factor)
+
+    experts.__name__ = experts.__qualname__ = "experts_ep"
+    return experts
+
+
+def _region_forward(mod: nn.Module, mapped):
+    def forward(hidden_states, top_k_index, top_k_weights):
+        return mapped(hidden_states, top_k_index, top_k_weights, mod.gate_up_proj, mod.down_proj)
+
+    return forward
+
+
+
+
+
+def expert_weight_specs(specs: dict[str, P], experts: dict[str, nn.Module], mesh: Mesh) -> dict[str, P]:
+    """`specs` with every expert weight split over `ep` (`expert_spec`): the rules need not say it. A rule
+    that says something else for one is refused (expert tensor parallelism is not run)."""
+    want = expert_spec(mesh)
+    out = dict(specs)
+    for fqn in experts:
+        for name in (f"{fqn}.{p}" if fqn else p for p in EXPERT_PARAMS):
+            given = specs.get(name, P())
+            entries = tuple(given)
+            if given != P() and (entries[:1] != tuple(want)[:1] or any(e is not None for e in entries[1:])):
+                raise ValueError(
+                    f"{name}: the rules give this expert weight {given!r}, but experts are split over ep by their "
+                    f"first dim ({want!r}) and nothing else (expert tensor parallelism is not run). Fix: give it "
+                    f"{want!r}, or leave it to the default"
+                )
+            out[name] = want
+    return out
+
+__all__ = [
+    "EXPERT_PARAMS", "check_moe", "expert_modules", "expert_spec", "expert_weight_specs", "experts_as_regions",
+    "moe_blocks",
+]  # fmt: skip

@@ -22,6 +22,7 @@ from meshlib.options import Parallelism
 from ...torch_private import OpOverload
 from ..capture.source import source_line
 from ..capture.trace import Traced
+from ..placement.placements import sync_axes
 from ..placement.placements import zero1_split
 from ..placement.propagate import Axes
 from ..placement.rank_ops import RANK_OPS
@@ -148,8 +149,6 @@ def dp_collectives(
     traffic it is, when not the plan's (ZeRO-3 in pipeline stages moves as ZeRO-2 does)."""
     records = []
     sizes = dict(zip(axes.names, axes.sizes))
-    shard = tuple(a for a in data if a not in options.replicate_axes)
-    n_shard = math.prod(sizes[a] for a in shard)
     param_b, reduce_b = (
         torch.empty((), dtype=getattr(torch, d)).element_size()
         for d in (options.precision.param, options.precision.reduce)
@@ -158,6 +157,9 @@ def dp_collectives(
         if name not in synced or (names is not None and name not in names):
             continue  # its gradient is already whole (computed on activations gathered over the data axes)
         local = local_shape(tuple(p.shape), layouts[name], axes.sizes)
+        summed = sync_axes(layouts[name], axes.names, data)  # an expert weight: not over ep
+        shard = tuple(a for a in summed if a not in options.replicate_axes)
+        n_shard = math.prod(sizes[a] for a in shard)
         zero = 0 if name in whole else options.zero if level is None else level
         numel = math.prod(local)
         if zero == 1 and n_shard > 1:

@@ -190,6 +190,20 @@ _register(
     X,
     (torch.unbind, ("x", "dim")), (_method("unbind"), ("x", "dim")), (aten.unbind.int, ("x", "dim")),
 )  # fmt: skip
+_register(
+    "scatter",
+    ("x", "index", "src"),
+    *((fn, ("x", "dim", "index", "src")) for fn in (
+        torch.scatter, _method("scatter"), _method("scatter_"), torch.scatter_add, _method("scatter_add"),
+        _method("scatter_add_"), aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
+    )),
+)  # fmt: skip
+_register(
+    "topk",
+    X,
+    (torch.topk, ("x", "k", "dim", "largest", "sorted")), (_method("topk"), ("x", "k", "dim", "largest", "sorted")),
+    (aten.topk.default, ("x", "k", "dim", "largest", "sorted")),
+)  # fmt: skip
 _register("dropout", X, (F.dropout, ("x", "p", "training")), (aten.dropout.default, ("x", "p", "training")))
 _register(
     "where",

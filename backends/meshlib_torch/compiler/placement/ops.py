@@ -455,6 +455,26 @@ def unbind(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     return out + [Strategy((PARTIAL,), (PARTIAL,) * k), Strategy((R,), (R,) * k)]
 
 
+def scatter(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """`x.scatter(dim, index, src)` and `scatter_add`: along a dim other than `dim` where x, index (and src)
+    have one size, a shard stays, every tensor split alike; along `dim` all whole."""
+    nd = len(v.out_shape)
+    dim = v.p["dim"] % nd
+    sizes = [v.shape(t) for t in v.tensors]
+    out = [
+        Strategy((s,) * len(v.tensors), s) for s in _shards(cur)
+        if s.dim != dim and len({shape[s.dim] for shape in sizes}) == 1
+    ]  # fmt: skip
+    return out + [Strategy((R,) * len(v.tensors), R)]
+
+
+def topk(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """The k largest along `dim` (values, indices): that dim whole, a shard of any other stays in both."""
+    nd = len(v.shape(v.tensors[0]))
+    dim = v.p.get("dim", -1) % nd
+    return [Strategy((s,), (s, s)) for s in _shards(cur) if s.dim != dim] + [Strategy((R,), (R, R))]
+
+
 def shard_map(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     """A region of per-shard code (`meshlib_torch.shard_map`): its inputs as its in specs place them on
     this axis, its results as its out specs do; nothing else."""
@@ -489,7 +509,8 @@ RULES = {
     "repeat_interleave": repeat_interleave, "split": split, "cat": cat, "index": index,
     "slice": slice_, "select": slice_, "tri": tri, "like": like, "unknown": replicate,
     "pointwise": pointwise, "scan": scan, "diff": diff, "pad": pad, "new": new, "gather": gather,
-    "index_select": index_select, "index_tensor": index_tensor, "stack": stack, "unbind": unbind,
+    "index_select": index_select, "index_tensor": index_tensor, "stack": stack, "unbind": unbind, "topk": topk,
+    "scatter": scatter,
     "shard_map": shard_map,
 }  # fmt: skip
 

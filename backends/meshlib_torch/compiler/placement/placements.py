@@ -205,3 +205,9 @@ def zero1_split(local_shape: tuple[int, ...], n: int, layout, ragged=frozenset()
     row = math.prod(local_shape) // local_shape[d]
     step = -(-local_shape[d] // n)
     return step * row, step * n * row
+
+
+def sync_axes(layout: Layout, axis_names: tuple[str, ...], data: tuple[str, ...]) -> tuple[str, ...]:
+    """The data axes a parameter's gradient is summed over: those it is replicated on (an expert weight,
+    split over `ep`, is summed over the data axes besides it)."""
+    return tuple(a for a in data if isinstance(layout[axis_names.index(a)], Replicate))

@@ -197,12 +197,14 @@ def _region_args(plan: NodePlan, axes: Axes, data: tuple) -> dict:
         fn.f, mesh=fn.mesh, in_specs=fn.in_specs, out_specs=fn.out_specs, args=args, check_vma=fn.check_vma,
         deferred=frozenset(data),
     )  # fmt: skip
-    owned = [r for r in run.records if set(r.axes) & set(data)]
+    # an exchange (all-to-all, ppermute) moves rows between data ranks and adds nothing up: expert
+    # parallelism's dispatch runs over `ep`, a data axis; a sum or gather over one is the runtime's
+    owned = [r for r in run.records if set(r.axes) & set(data) and r.kind not in ("all_to_all", "send_recv")]
     if owned:
         r = owned[0]
         raise ValueError(
-            f"{where}: lax.{r.op} at {r.source} runs over {list(r.axes)}, which the compiled model keeps "
-            f"for data parallelism ({list(data)}): their gradient sums belong to the runtime, once per step, and a "
+            f"{where}: lax.{r.op} at {r.source} sums or gathers over {list(r.axes)}, which the compiled "
+            f"model keeps for data parallelism ({list(data)}): their gradient sums belong to the runtime, once per step, and a "
             "region's collective there would count them again or miss them. Fix: keep the region's collectives "
             f"on the other axes (the batch stays split over {list(data)} through it)"
         )

@@ -21,21 +21,34 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ...compiler.placement.placements import Shard
+from ...compiler.placement.placements import Shard, sync_axes
 from ...compiler.program import EagerStages, deferred_loss
 from ...torch_private import local_tensor
 from .. import dist as mdist
 from ..comm import COUNTER, CommCounter, local_slice
 
 
-class GradSync:
-    """Sum every parameter's gradient over the data-parallel group once its last microbatch is in."""
+def sync_groups(par, params: dict[str, torch.nn.Parameter]) -> dict[str, tuple]:
+    """Per parameter, the group (and its axes' name) its gradient is summed over: the data axes it is
+    replicated on (`sync_axes`; an expert weight split over `ep` is summed over the others)."""
+    c = par.compiled
+    out = {}
+    for name in params:
+        axes = sync_axes(c.param_layouts[name], c.axes.names, c.data_axes)
+        out[name] = (mdist.group(par.device_mesh, axes), "_".join(axes)) if axes else None
+    return out
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], group, axis_name: str, reduce_dtype: torch.dtype,
-                 counter: CommCounter = COUNTER):  # fmt: skip
-        self.group, self.axis, self.reduce_dtype, self.counter = group, axis_name, reduce_dtype, counter
+
+class GradSync:
+    """Sum every parameter's gradient over its data-parallel group (`groups`: per name, the group and its
+    axes' name; None: nothing to sum) once its last microbatch is in."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], groups: dict[str, tuple | None],
+                 reduce_dtype: torch.dtype, counter: CommCounter = COUNTER):  # fmt: skip
+        self.reduce_dtype, self.counter = reduce_dtype, counter
         self.enabled = True
-        self.params = [p for p in params.values() if p.requires_grad]
+        self.params = [p for n, p in params.items() if p.requires_grad and groups[n] is not None]
+        self.groups = {id(p): groups[n] for n, p in params.items()}
         self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
 
     def _hook(self, p: torch.Tensor) -> None:
@@ -52,8 +65,9 @@ class GradSync:
             return
         g = local_tensor(p.grad)
         buf = g.to(self.reduce_dtype) if g.dtype != self.reduce_dtype else g
-        dist.all_reduce(buf, group=self.group)
-        self.counter.record("backward", "all_reduce", self.axis, buf.numel() * buf.element_size(), "grad sync")
+        group, axis = self.groups[id(p)]
+        dist.all_reduce(buf, group=group)
+        self.counter.record("backward", "all_reduce", axis, buf.numel() * buf.element_size(), "grad sync")
         if buf is not g:
             g.copy_(buf)
 
@@ -186,7 +200,7 @@ def apply_data(par) -> DataSync:
     group, axis = mdist.group(par.device_mesh, data), "_".join(data)
     if compiled.options.zero == 0:
         synced = {n: q for n, q in par.named_model_parameters().items() if n in compiled.synced_params}
-        grad_sync = GradSync(synced, group, axis, getattr(torch, compiled.options.precision.reduce))
+        grad_sync = GradSync(synced, sync_groups(par, synced), getattr(torch, compiled.options.precision.reduce))
     last = len(compiled.stages.modules) - 1 if isinstance(compiled.program, EagerStages) else None
     if last is not None and last in par.local_stages:
         size = math.prod(compiled.mesh.axis_size(a) for a in data)
@@ -195,5 +209,6 @@ def apply_data(par) -> DataSync:
 
 
 __all__ = [
-    "DataSync", "GradSync", "LossSum", "MeanOver", "MeanOverRanks", "TargetCounts", "apply_data", "target_counts",
+    "DataSync", "GradSync", "LossSum", "MeanOver", "MeanOverRanks", "TargetCounts", "apply_data", "sync_groups",
+    "target_counts",
 ]  # fmt: skip

@@ -23,7 +23,7 @@ from ...compiler.program import fsdp_whole
 from ...torch_private import AllGather, ReduceScatter, StridedShard, in_backward
 from .. import dist as mdist
 from ..comm import COUNTER, CommCounter
-from .data import GradSync
+from .data import GradSync, sync_groups
 
 try:  # torch >= 2.13: parameters already on a full SPMD mesh
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -84,7 +84,7 @@ def apply_zero(par, *, offload: bool, prefetch: bool) -> tuple[list, GradSync | 
             **kinds,
         )  # fmt: skip
     whole = {n: p for n, p in par.named_model_parameters().items() if id(p) in left}
-    sync = GradSync(whole, mdist.group(par.device_mesh, data), "_".join(data), reduce) if whole else None
+    sync = GradSync(whole, sync_groups(par, whole), reduce) if whole else None
     return units, sync
 
 
