@@ -22,7 +22,7 @@ from meshlib.options import Parallelism
 from ..modules.recompute import Remat, gathers
 from .capture.blocks import layer_paths, partition
 from .capture.call import Call
-from .capture.moe import check_moe, expert_weight_specs, experts_as_regions
+from .capture.moe import balancing_routers, check_moe, expert_weight_specs, experts_as_regions
 from .capture.trace import trace
 from .capture.values import annotate_run_dtypes
 from .estimates.dryrun import dry_peak, local_input
@@ -178,6 +178,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
         param_specs=specs, param_layouts=layouts, input_layouts=in_layouts, input_names=names, plan=plan,
         options=options, buffers=dict(gm.named_buffers()), plans=plans, data_axes=data, synced_params=frozenset(synced),
         parts=partition(gm.graph, list(paths)), layers=len(paths), layer_paths=paths,
+        routers=balancing_routers(model),
     )  # fmt: skip
 
 

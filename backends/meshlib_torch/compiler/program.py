@@ -81,6 +81,7 @@ class Compiled:
     data_axes: tuple[str, ...] = ()
     parts: dict[fx.Node, int] = field(default_factory=dict, repr=False)  # node -> pre/layer/post part
     synced_params: frozenset[str] = frozenset()  # gradients the runtime sums over the data axes
+    routers: tuple[tuple[str, str, float], ...] = ()  # balancing biases to update (`capture.moe.balancing_routers`)
     microbatches: int = 1  # in the global batch: a pipeline's, or (one graph) gradient accumulation's
     pp_axis: str = "pp"
     layers: int = 0  # the model's layers (its longest ModuleList): blocks for FSDP2 and recompute

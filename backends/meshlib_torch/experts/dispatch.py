@@ -46,7 +46,8 @@ def experts_ep(
 
     Call it inside `shard_map(experts_ep, mesh=mesh, in_specs=(P(data), P(data), P(data), P("ep"),
     P("ep")), out_specs=P(data))`, `data` the axes the tokens are split over (e.g. ("dp", "ep")); with
-    `axis=None` every expert is on this rank and nothing is exchanged. See the module docstring for the dropless and capacity modes (`capacity_factor=None`: dropless)."""
+    `axis=None` every expert is on this rank and nothing is exchanged. See the module docstring for the
+    dropless and capacity modes (`capacity_factor=None`: dropless)."""
     _check(x, top_k_index, top_k_weights, gate_up_proj, down_proj)
     tokens, top_k = top_k_index.shape
     n = 1 if axis is None else lax.axis_size(axis)

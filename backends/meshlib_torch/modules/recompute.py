@@ -62,6 +62,18 @@ class _State(threading.local):
 _STATE = _State()
 
 
+def write_buffer(method: str, buffer: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """`buffer.<method>(*args)`, a buffer write in the forward (a router's token count), skipped while
+    recompute replays the forward: the write happens once per forward, as without recompute."""
+    if _STATE.replay:
+        return buffer
+    # through `.data`: a statistic outside autograd, whose write must not bump the version a checkpointed
+    # block's saved inputs are checked against in backward (the buffer is one of them)
+    with torch.no_grad():
+        getattr(buffer.data, method)(*args, **kwargs)
+    return buffer
+
+
 class _Region:
     """One of a checkpoint region's two contexts (`replay`: the recompute's)."""
 

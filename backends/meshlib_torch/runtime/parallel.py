@@ -47,6 +47,7 @@ class Parallel(nn.Module):
         self.fp32_init: dict[str, torch.Tensor] = {}  # full-precision values of bf16/fp16 parameters (masters)
         self.track_grad_norm = False  # note `last_grad_norm` before every update (one more collective)
         self.last_grad_norm: float | None = None
+        self.balancing = None  # `BalancingBias`: routers whose bias follows their experts' load
 
     # -- what it holds ------------------------------------------------------------------------------
     @property
@@ -79,6 +80,11 @@ class Parallel(nn.Module):
         attention) holds its rows in rank order, which DTensor can describe (see `runtime.dtensor`): read
         it whole with `whole`, not `full_tensor()`."""
         return self.canonical(dict(self.root.named_parameters()))
+
+    def named_model_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's buffers by their FQN in the original model (those of its stages, with a pipeline)."""
+        names = set(self.compiled.buffers)
+        return {_canonical(path, names): b for path, b in self.root.named_buffers()}
 
     def whole(self, name: str, t: torch.Tensor | None = None) -> torch.Tensor:
         """Parameter `name` whole, in the model's order, on every rank that holds a part of it (a
@@ -150,6 +156,8 @@ class Parallel(nn.Module):
             self.last_grad_norm = self.grad_norm() / (opt.scaler.scale if opt.scaler else 1.0)
         opt.step()
         opt.zero_grad()
+        if self.balancing is not None:  # DeepSeek-V3's balancing bias, from this step's token counts
+            self.balancing.step()
         return loss
 
     def _accumulate(self, local: list[torch.Tensor], opt) -> float:

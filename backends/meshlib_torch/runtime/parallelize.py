@@ -27,6 +27,7 @@ from . import weights as weights_mod
 from .lower import lower
 from .parallel import Parallel
 from .parallelisms.data import apply_data
+from .parallelisms.expert import apply_expert
 from .parallelisms.pipeline import apply_pipeline
 from .parallelisms.tensor import apply_tensor
 from .parallelisms.zero import apply_zero
@@ -69,6 +70,7 @@ def parallelize(
     par.fsdp_units, whole_sync = apply_zero(par, offload=run.offload, prefetch=run.prefetch)
     par.grad_sync = par.grad_sync or whole_sync  # ZeRO-0's, or the parameters FSDP2 leaves whole
     par.pipeline = apply_pipeline(par)
+    par.balancing = apply_expert(par)
     return par
 
 

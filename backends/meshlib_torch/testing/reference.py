@@ -40,6 +40,8 @@ class Trial:
     optimizer: type = torch.optim.AdamW  # any torch.optim class, built with `optimizer_options` and lr
     optimizer_options: dict | None = None  # None: AdamW's betas, eps and weight decay below
     scheduler: Callable | None = None  # module-level: optimizer -> a torch LR scheduler, stepped after each step
+    after_step: Callable | None = None  # module-level: model -> None, run by the reference after each update
+    buffers: tuple[str, ...] = ()  # buffers (by name ending) compared too: e.g. balancing biases
 
     def make_optimizer(self, build):
         options = self.optimizer_options
@@ -55,6 +57,7 @@ class Trace:
     params: dict[str, torch.Tensor]  # after the last step
     plan: object = None
     comm: dict | None = None
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the trial's `buffers`, after the last step
 
 
 def run_single(trial: Trial) -> Trace:
@@ -73,9 +76,12 @@ def run_single(trial: Trial) -> Trace:
             grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
         opt.step()
         opt.zero_grad()
+        if trial.after_step is not None:
+            trial.after_step(model)
         if sched is not None:
             sched.step()
-    return Trace(losses, grads, {n: p.detach().clone() for n, p in params.items()})
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if trial.buffers and n.endswith(trial.buffers)}
+    return Trace(losses, grads, {n: p.detach().clone() for n, p in params.items()}, buffers=buffers)
 
 
 class _Recording:
@@ -133,7 +139,9 @@ def run_parallel(trial: Trial) -> Trace:
     if getattr(opt.opt, "master", None):  # fp32 masters are the parameters' true values
         mine.update({n: _whole(par.whole, n, m) for n, m in opt.opt.master.items() if n in mine})
     grads, params = _from_every_rank(opt.grads), _from_every_rank(mine)
-    return Trace(losses, grads, params, par.plan, comm)
+    held = par.named_model_buffers().items() if trial.buffers else ()
+    buffers = _from_every_rank({n: b.detach().clone() for n, b in held if n.endswith(trial.buffers)})
+    return Trace(losses, grads, params, par.plan, comm, buffers)
 
 
 def _whole(whole, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -154,7 +162,8 @@ def _from_every_rank(part: dict) -> dict:
 def assert_same(ref: Trace, par: Trace, *, rtol: float, atol: float) -> dict[str, float]:
     """Raise naming what differs; else the largest differences of loss, gradient and parameter."""
     torch.testing.assert_close(torch.tensor(par.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
-    for kind, a, b in (("grad", par.grads, ref.grads), ("param", par.params, ref.params)):
+    pairs = (("grad", par.grads, ref.grads), ("param", par.params, ref.params), ("buffer", par.buffers, ref.buffers))
+    for kind, a, b in pairs:
         assert sorted(a) == sorted(b), f"{kind} names differ: {sorted(set(a) ^ set(b))}"
         for name in b:
             say = lambda m, n=name, k=kind: f"{k} {n}: {m}"  # noqa: E731

@@ -87,7 +87,8 @@ def check_moe(model: nn.Module) -> None:
         )
     for name, mod in model.named_modules():
         noise = getattr(mod, "jitter_noise", 0.0)
-        if mod.training and isinstance(noise, float) and noise > 0 and any(_within(e, name) and e != name for e in experts):
+        inside = any(_within(e, name) and e != name for e in experts)
+        if mod.training and isinstance(noise, float) and noise > 0 and inside:
             raise NotImplementedError(
                 f"{name} ({type(mod).__name__}): router jitter noise {noise} in training multiplies the tokens by "
                 "random values each step, which no parallel run reproduces. Fix: set router_jitter_noise=0 in the "
@@ -140,6 +141,20 @@ def _region_forward(mod: nn.Module, mapped):
 
 
 
+def balancing_routers(model: nn.Module) -> tuple[tuple[str, str, float], ...]:
+    """`(counts buffer, bias buffer, rate)` of each router that balances by a bias (DeepSeek-V3's
+    auxiliary-loss-free balancing): buffers `tokens_per_expert` and `e_score_correction_bias`, and a
+    `bias_update_rate` above 0. The runtime updates the bias after each optimizer step."""
+    out = []
+    for name, mod in model.named_modules():
+        rate = getattr(mod, "bias_update_rate", 0.0)
+        buffers = dict(mod.named_buffers(recurse=False))
+        if isinstance(rate, float) and rate > 0 and {"tokens_per_expert", "e_score_correction_bias"} <= set(buffers):
+            prefix = f"{name}." if name else ""
+            out.append((f"{prefix}tokens_per_expert", f"{prefix}e_score_correction_bias", rate))
+    return tuple(out)
+
+
 def expert_weight_specs(specs: dict[str, P], experts: dict[str, nn.Module], mesh: Mesh) -> dict[str, P]:
     """`specs` with every expert weight split over `ep` (`expert_spec`): the rules need not say it. A rule
     that says something else for one is refused (expert tensor parallelism is not run)."""
@@ -159,6 +174,6 @@ def expert_weight_specs(specs: dict[str, P], experts: dict[str, nn.Module], mesh
     return out
 
 __all__ = [
-    "EXPERT_PARAMS", "check_moe", "expert_modules", "expert_spec", "expert_weight_specs", "experts_as_regions",
+    "EXPERT_PARAMS", "balancing_routers", "check_moe", "expert_modules", "expert_spec", "expert_weight_specs", "experts_as_regions",
     "moe_blocks",
 ]  # fmt: skip

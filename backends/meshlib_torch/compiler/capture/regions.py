@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from ...torch_private import HigherOrderOperator
+from .effects import eliminate_dead_code
 from .source import source_line
 
 _HOPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}  # name -> index of the subgraph argument
@@ -65,7 +66,7 @@ def inline_regions(gm: fx.GraphModule) -> None:
                     f"{' and '.join(_HOPS)}. Fix: write that part of the forward without it"
                 )
             _inline(gm, node, name)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     for name, mod in list(gm.named_children()):
         if isinstance(mod, fx.GraphModule) and not any(
             n.op == "get_attr" and n.target == name for n in graph.nodes

@@ -22,6 +22,7 @@ from torch import nn
 from ...torch_private import FX_ASSERTS
 from ..attrs import canonical_params
 from .call import Call, LossChoiceError, describe, pick_loss
+from .effects import eliminate_dead_code
 from .normalize import (
     canonicalize_attrs,
     drop_device_moves,
@@ -207,7 +208,7 @@ def _select_output(gm: fx.GraphModule, call: Call) -> None:
             "with torch.fx; compute anything else in the forward"
         )
     out.args = (nodes[id(picked)],)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.recompile()
 
 
@@ -241,7 +242,7 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(holders, call.tensors, strict=True):
         node.target = name  # export may rename an input that shadows another name
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     return gm
 
 

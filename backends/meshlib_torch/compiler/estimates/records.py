@@ -22,8 +22,7 @@ from meshlib.options import Parallelism
 from ...torch_private import OpOverload
 from ..capture.source import source_line
 from ..capture.trace import Traced
-from ..placement.placements import sync_axes
-from ..placement.placements import zero1_split
+from ..placement.placements import sync_axes, zero1_split
 from ..placement.propagate import Axes
 from ..placement.rank_ops import RANK_OPS
 from ..placement.redistribute import collective_records

@@ -17,6 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..capture.effects import as_buffer_writes, eliminate_dead_code
 from .bind import bind, dims_arg
 from .parts import local_part_bounds, part_cut
 from .placements import Pending, Shard
@@ -40,7 +41,7 @@ def fold_scalars(gm: fx.GraphModule) -> None:
             for user in list(node.users):
                 user.args = fx.node.map_arg(user.args, lambda a, value=value, node=node: value if a is node else a)
                 user.kwargs = fx.node.map_arg(user.kwargs, lambda a, value=value, node=node: value if a is node else a)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
 
 
 def localize(
@@ -67,7 +68,8 @@ def localize(
             local_part_bounds(node, plan.view, plan.need[0], axes.sizes)
         elif (op := rank_op(plan)) is not None:
             _special(gm, node, specials, op, RANK_OPS[op].args(plan, axes, data), plan.view.tensors)
-    gm.graph.eliminate_dead_code()
+    as_buffer_writes(gm.graph)
+    eliminate_dead_code(gm.graph)
     return specials
 
 

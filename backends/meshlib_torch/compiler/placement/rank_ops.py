@@ -204,9 +204,10 @@ def _region_args(plan: NodePlan, axes: Axes, data: tuple) -> dict:
         r = owned[0]
         raise ValueError(
             f"{where}: lax.{r.op} at {r.source} sums or gathers over {list(r.axes)}, which the compiled "
-            f"model keeps for data parallelism ({list(data)}): their gradient sums belong to the runtime, once per step, and a "
-            "region's collective there would count them again or miss them. Fix: keep the region's collectives "
-            f"on the other axes (the batch stays split over {list(data)} through it)"
+            f"model keeps for data parallelism ({list(data)}): their gradient sums belong to the runtime, once per "
+            "step, and a region's sum there would count them again or miss them. Fix: keep the region's sums and "
+            f"gathers on the other axes (the batch stays split over {list(data)} through it; exchanges such as "
+            "all_to_all may run over them)"
         )
     return {"fn": fn, "deferred": tuple(data), "template": template, "records": run.records}
 

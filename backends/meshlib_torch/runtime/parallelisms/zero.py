@@ -21,7 +21,6 @@ from torch.distributed.tensor import Shard
 
 from ...compiler.program import fsdp_whole
 from ...torch_private import AllGather, ReduceScatter, StridedShard, in_backward
-from .. import dist as mdist
 from ..comm import COUNTER, CommCounter
 from .data import GradSync, sync_groups
 
