@@ -26,7 +26,9 @@ from .spec import P
 
 __all__ = ["Plan", "Collective", "Stage", "Boundary", "Precision", "Memory", "Kept", "COLLECTIVE_KINDS"]
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
+# "host_sync": a read of device values to the host that the step waits on (dropless expert dispatch reads
+# its split sizes), its bytes those read
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast", "host_sync")
 PHASES = ("forward", "recompute", "backward", "optimizer", "step")
 
 

@@ -41,3 +41,27 @@ def batch(step: int) -> tuple:
     g = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)
     return tokens, torch.roll(tokens, -1, dims=1)
+
+
+class BalancedRouter(nn.Module):
+    """A router whose choices are fixed and even: token t's slot j goes to expert (t*k + j) mod E, so
+    every rank sends every other the same number of rows (the closed forms' assumption); its weights
+    still come from the router's softmax, so the router trains."""
+
+    def __init__(self, gate: nn.Module):
+        super().__init__()
+        self.weight, self.top_k, self.n_experts = gate.weight, gate.top_k, gate.n_experts
+
+    def forward(self, x):
+        logits = x @ self.weight.t()
+        slots = torch.arange(x.shape[0], device=x.device).unsqueeze(1) * self.top_k
+        index = (slots + torch.arange(self.top_k, device=x.device)) % self.n_experts
+        return logits, torch.softmax(logits, dim=-1).gather(1, index), index
+
+
+def build_balanced() -> nn.Module:
+    model = build_moe("moe-tiny-ds")
+    for layer in model.layers:
+        if hasattr(layer, "moe"):
+            layer.moe.gate = BalancedRouter(layer.moe.gate)
+    return model

@@ -69,3 +69,25 @@ def test_token_counts_and_the_balancing_bias_follow_every_routing_rank(name, mes
     for rank in got:
         assert_same(ref, rank, rtol=1e-12, atol=1e-12)
         assert sorted(rank.buffers) == sorted(ref.buffers)
+
+
+def test_the_plan_counts_the_all_to_all_and_the_host_syncs_as_each_rank_runs_them():
+    """Plan = measured = closed form, on every rank of dp=2×ep=2, routing even (`moe_models.BalancedRouter`):
+    per MoE layer (2 of them) and step, the counts exchange (E int64) and two all_to_all_v of
+    T·k·H·8·(ep−1)/ep bytes forward (dispatch, combine), two backward, and one host read of the send and
+    receive counts (2·E int64) in forward; T = 8 tokens per rank, k = 2, H = 32, E = 8."""
+    from meshlib_torch.testing.measure import measure_step, planned
+
+    trial = Trial(mm.build_balanced, mm.batch, mesh="dp=2,ep=2", rules=mm.rules_ds, lr=1e-3)
+    results = get_pool(4).run(measure_step, trial)
+    tokens, k, hidden, experts, ep, layers = 8, 2, 32, 8, 2, 2
+    exchange = tokens * k * hidden * 8 * (ep - 1) // ep
+    want = {
+        ("forward", "all_to_all", "ep"): layers * (experts * 8 + 2 * exchange),
+        ("backward", "all_to_all", "ep"): layers * 2 * exchange,
+        ("forward", "host_sync", ""): layers * 2 * experts * 8,
+    }
+    for got in results:
+        plan = planned(got["plan"], got["coords"])["comm"]
+        assert got["comm"] == plan, (got["rank"], got["coords"])
+        assert {key: plan[key] for key in want} == want

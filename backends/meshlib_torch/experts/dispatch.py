@@ -89,8 +89,9 @@ def _exchange(rows, axis, send_rows: list[int], recv_rows: list[int], price) -> 
 def _host_counts(counts, arriving, pairs: int, local: int, n: int) -> tuple[list[int], list[int]]:
     """(pairs this rank sends each expert, pairs each source sends each local expert) as Python ints: one
     host read. On meta tensors (a dry run, the vma check) there are no values: balanced routing instead."""
-    if not counts.is_meta:
-        sent, got = read_counts(counts, arriving)
+    read = read_counts(counts, arriving)
+    if read is not None:
+        sent, got = read
         return sent, got
     even = [pairs // (n * local) + (e < pairs % (n * local)) for e in range(n * local)]
     return even, even[:local] * n

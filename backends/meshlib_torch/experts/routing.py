@@ -7,7 +7,6 @@ slot `p % k`. Nothing here reads a value to the host except `read_counts`, which
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -17,6 +16,8 @@ import torch
 
 from .. import lax
 from ..spmd.backend import phase
+from ..spmd.records import Call
+from ..spmd.region import current, user_line
 
 __all__ = [
     "SYNCS", "SyncCounter", "capacity", "capacity_dropped", "expert_counts", "positions", "read_counts",
@@ -45,12 +46,17 @@ class SyncCounter:
 SYNCS = SyncCounter()
 
 
-def read_counts(*counts: torch.Tensor) -> list[list[int]]:
-    """The values of integer tensors as Python lists, in one device-to-host read (counted in `SYNCS`)."""
+def read_counts(*counts: torch.Tensor) -> list[list[int]] | None:
+    """The values of integer tensors as Python lists, in one device-to-host read (counted in `SYNCS`),
+    through the region's backend, which counts it in the plan (kind "host_sync"); None in a dry run,
+    which records the read but has no values."""
+    region = current("read_counts")
+    call = Call("host_read", user_line())
+    if region.backend.abstract or any(c.is_meta for c in counts):
+        region.backend.host_read(list(counts), call) if region.backend.abstract else None
+        return None
     SYNCS.record(phase())
-    flat = torch.cat([c.reshape(-1) for c in counts]).tolist()
-    edges = [0, *itertools.accumulate(c.numel() for c in counts)]
-    return [flat[a:b] for a, b in zip(edges, edges[1:])]
+    return region.backend.host_read(list(counts), call)
 
 
 def expert_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -73,6 +73,10 @@ class MetaBackend:
         self._note(call, "all_reduce", axes, nbytes(x))
         return torch.empty_like(x, device="meta")
 
+    def host_read(self, tensors: list, call: Call) -> None:
+        """A read of `tensors` to the host: recorded (kind "host_sync"); a dry run has no values to read."""
+        self._note(call, "host_sync", Axes((), 1), sum(nbytes(t) for t in tensors))
+
     def all_gather(self, x, axes: Axes, dim: int, call: Call):
         out = _resized(x, {dim: (axes.size, 1)})
         self._note(call, "all_gather", axes, nbytes(out))

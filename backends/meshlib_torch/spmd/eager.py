@@ -11,6 +11,7 @@ all_to_all_v the rows it sends to other ranks).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -71,6 +72,13 @@ class EagerBackend:
 
     def _count(self, call: Call, kind: str, axes: Axes, size: int) -> None:
         self.counter.record(phase(), kind, str(axes), size, f"{call.op}@{call.source}")
+
+    def host_read(self, tensors: list, call: Call) -> list[list]:
+        """The values of `tensors` as Python lists, in one device-to-host read (counted: kind "host_sync")."""
+        self._count(call, "host_sync", Axes((), 1), sum(nbytes(t) for t in tensors))
+        flat = torch.cat([t.reshape(-1) for t in tensors]).tolist()
+        edges = [0, *itertools.accumulate(t.numel() for t in tensors)]
+        return [flat[a:b] for a, b in zip(edges, edges[1:])]
 
     def all_reduce(self, x, axes: Axes, op: str, call: Call):
         self._count(call, "all_reduce", axes, nbytes(x))

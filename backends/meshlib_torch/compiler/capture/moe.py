@@ -174,6 +174,7 @@ def expert_weight_specs(specs: dict[str, P], experts: dict[str, nn.Module], mesh
     return out
 
 __all__ = [
-    "EXPERT_PARAMS", "balancing_routers", "check_moe", "expert_modules", "expert_spec", "expert_weight_specs", "experts_as_regions",
+    "EXPERT_PARAMS", "balancing_routers", "check_moe", "expert_modules", "expert_spec", "expert_weight_specs",
+    "experts_as_regions",
     "moe_blocks",
 ]  # fmt: skip

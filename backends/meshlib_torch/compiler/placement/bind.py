@@ -68,11 +68,11 @@ def _register(kind: str, tensors: tuple[str, ...], *targets: tuple[Any, tuple[st
 X = ("x",)
 _BINARY = ("x", "y", "alpha")
 for _kind, _fns in {
-    "add": (operator.add, torch.add, aten.add.Tensor, aten.add.Scalar, _method("add"), operator.iadd),
-    "sub": (operator.sub, torch.sub, aten.sub.Tensor, aten.sub.Scalar, _method("sub")),
-    "mul": (operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar, _method("mul"), operator.imul),
-    "div": (operator.truediv, torch.div, aten.div.Tensor, aten.div.Scalar, _method("div")),
-}.items():
+    "add": (operator.add, torch.add, aten.add.Tensor, aten.add.Scalar, _method("add"), operator.iadd, aten.add_.Tensor),
+    "sub": (operator.sub, torch.sub, aten.sub.Tensor, aten.sub.Scalar, _method("sub"), aten.sub_.Tensor),
+    "mul": (operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar, _method("mul"), operator.imul, aten.mul_.Tensor),
+    "div": (operator.truediv, torch.div, aten.div.Tensor, aten.div.Scalar, _method("div"), aten.div_.Tensor),
+}.items():  # torch.export keeps `x /= y` as `aten.div_`: later reads of x name its node, so it is `div` here
     _register(_kind, ("x", "y"), *((fn, _BINARY) for fn in _fns))
 
 _UNARY_NONLINEAR = {
