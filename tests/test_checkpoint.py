@@ -271,3 +271,12 @@ def test_pipeline_meshes_save_and_resume(tmp_path, saver, loader):
     """A pipeline rank holds only its stages' parameters and optimizer state; the checkpoint holds the
     whole model, and resuming on any mesh takes the saver's next losses (fp64, 1e-12)."""
     _save_then_resume(tmp_path, _cfg(**{**_PP, **saver}), _cfg(**{**_PP, **loader}))
+
+
+# -- expert parallelism ----------------------------------------------------------------------------
+@pytest.mark.parametrize("loader", ["dp=4", "ep=4"])
+def test_expert_parallel_checkpoints_reshard_between_ep_sizes(tmp_path, loader):
+    """moe-tiny-ds (sigmoid routing with a balancing bias, a shared expert): saved on dp=2×ep=2, where each
+    rank holds 4 of the 8 experts, resumed with no ep (every rank all 8) and on ep=4 (2 each)."""
+    saver = _cfg(model="moe-tiny-ds", mesh="dp=2,ep=2", seq_len=8)
+    _save_then_resume(tmp_path, saver, _cfg(model="moe-tiny-ds", mesh=loader, seq_len=8))

@@ -369,7 +369,8 @@ def test_fp32_layers_take_the_grouped_gemm_and_equal_fp64():
 def test_a_dry_run_records_the_exchanges_and_reads_nothing(name, factor):
     """On meta tensors of one rank's shards: the counts' all-to-all (exact), then each all_to_all_v priced
     as balanced routing, T*k*(ep-1)/ep rows of H*8 bytes (or capacity mode's exact all-to-alls), forward and
-    backward; the expert weights' gradients summed over dp once each; no host read."""
+    backward; the expert weights' gradients summed over dp once each; the host read of dropless dispatch
+    recorded (the plan lists it) but not made."""
     from meshlib.tree import ShapeDtype
     from meshlib_torch.experts import SYNCS, experts_ep
     from meshlib_torch.spmd import region_collectives
@@ -387,7 +388,8 @@ def test_a_dry_run_records_the_exchanges_and_reads_nothing(name, factor):
     if factor is None:
         rows = TOKENS * K * (ep - 1) // ep
         v = lambda phase: (phase, "all_to_all_v", ("ep",), rows * H * 8, "expected")
-        want = [("forward", "all_to_all", ("ep",), EXPERTS * 8, "exact"), v("forward"), v("forward")]
+        read = ("forward", "host_read", (), 2 * EXPERTS * 8, "exact")  # recorded, not made: the counts' bytes
+        want = [("forward", "all_to_all", ("ep",), EXPERTS * 8, "exact"), read, v("forward"), v("forward")]
         want += [v("backward"), v("backward")]
     else:
         a = lambda phase: (phase, "all_to_all", ("ep",), EXPERTS * math.ceil(TOKENS * K / EXPERTS) * H * 8, "exact")

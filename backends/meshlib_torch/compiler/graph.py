@@ -35,7 +35,7 @@ from .placement.propagate import Axes, propagate
 from .placement.rank_ops import check_regions
 from .placement.redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
 from .placement.shapes import ragged_dims
-from .program import Compiled, OneGraph, check_zero, data_axes, input_layouts, model_state
+from .program import Compiled, OneGraph, check_zero, data_axes, input_layouts, model_state, persistent_buffers
 
 
 @contextlib.contextmanager
@@ -178,7 +178,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
         param_specs=specs, param_layouts=layouts, input_layouts=in_layouts, input_names=names, plan=plan,
         options=options, buffers=dict(gm.named_buffers()), plans=plans, data_axes=data, synced_params=frozenset(synced),
         parts=partition(gm.graph, list(paths)), layers=len(paths), layer_paths=paths,
-        routers=balancing_routers(model),
+        routers=balancing_routers(model), persistent=persistent_buffers(model),
     )  # fmt: skip
 
 

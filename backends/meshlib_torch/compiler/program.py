@@ -82,6 +82,7 @@ class Compiled:
     parts: dict[fx.Node, int] = field(default_factory=dict, repr=False)  # node -> pre/layer/post part
     synced_params: frozenset[str] = frozenset()  # gradients the runtime sums over the data axes
     routers: tuple[tuple[str, str, float], ...] = ()  # balancing biases to update (`capture.moe.balancing_routers`)
+    persistent: frozenset[str] = frozenset()  # buffers in the model's state dict (checkpoints keep them)
     microbatches: int = 1  # in the global batch: a pipeline's, or (one graph) gradient accumulation's
     pp_axis: str = "pp"
     layers: int = 0  # the model's layers (its longest ModuleList): blocks for FSDP2 and recompute
@@ -131,6 +132,12 @@ class Compiled:
     def local_param_shape(self, name: str) -> tuple[int, ...]:
         """The parameter's shard on the first rank (the largest, where a dim is cut unevenly)."""
         return local_shape(tuple(self.traced.params[name].shape), self.param_layouts[name], self.axes.sizes)
+
+
+def persistent_buffers(model: torch.nn.Module) -> frozenset[str]:
+    """The buffers a model's state dict holds (not those registered with persistent=False)."""
+    keys = set(model.state_dict(keep_vars=True))
+    return frozenset(n for n, _ in model.named_buffers() if n in keys)
 
 
 def default_in_spec(mesh: Mesh, replicate_axes: tuple[str, ...] = ()) -> P:
@@ -287,5 +294,5 @@ def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
 
 __all__ = [
     "Compiled", "EagerStages", "OneGraph", "Program", "TracedStages", "check_zero", "data_axes", "default_in_spec",
-    "deferred_loss", "fsdp_whole", "input_layouts", "model_state", "zero1_pieces",
+    "deferred_loss", "fsdp_whole", "input_layouts", "model_state", "persistent_buffers", "zero1_pieces",
 ]  # fmt: skip

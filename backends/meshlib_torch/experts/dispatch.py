@@ -73,17 +73,14 @@ def _dropless(pairs, flat, gate_up, down, axis, n: int) -> torch.Tensor:
     recv_rows = [sum(got[s * local : (s + 1) * local]) for s in range(n)]
     group_rows = [sum(got[s * local + e] for s in range(n)) for e in range(local)]
     price = Expected(pairs.shape[0] * (n - 1) // n)  # for a dry run: balanced routing
-    rows = _exchange(pairs.index_select(0, order), axis, send_rows, recv_rows, price)
+    rows = pairs.index_select(0, order)
+    if axis is not None:  # else every expert is here: nothing leaves
+        rows = lax.all_to_all_v(rows, axis, send_rows, recv_rows, price=price)
     regroup = _by_local_expert(arriving, local, n, sum(recv_rows))
     out = expert_mlp(rows.index_select(0, regroup), group_rows, gate_up, down)
     out = torch.empty_like(out).index_copy(0, regroup, out)  # back in arrival order
-    home = _exchange(out, axis, recv_rows, send_rows, price)
+    home = out if axis is None else lax.all_to_all_v(out, axis, recv_rows, send_rows, price=price)
     return torch.empty_like(home).index_copy(0, order, home)
-
-
-def _exchange(rows, axis, send_rows: list[int], recv_rows: list[int], price) -> torch.Tensor:
-    """`lax.all_to_all_v` over `axis`; with no axis (every expert on this rank) the rows stay."""
-    return rows if axis is None else lax.all_to_all_v(rows, axis, send_rows, recv_rows, price=price)
 
 
 def _host_counts(counts, arriving, pairs: int, local: int, n: int) -> tuple[list[int], list[int]]:

@@ -11,6 +11,7 @@ model (not its path inside the split or FSDP-wrapped local graph):
     optim.<fqn>.exp_avg_sq
     optim.<fqn>.step         AdamW's step count: a 0-d tensor, the same on every rank
     optim.scaler             [scale, good steps] of fp16 loss scaling (fp16 runs only)
+    buffer.<fqn>             a buffer of the model's state dict (a router's balancing bias), whole
     rng.cpu                  (world size, n) uint8: every rank's CPU generator state;
                              on load rank r takes row r % (saved world size)
     step, extra              the caller's step and dict (pickled by DCP)
@@ -145,7 +146,14 @@ def _live(par, opt) -> dict[str, torch.Tensor]:
                 out[f"optim.{name}.{key}"] = value
     if opt.scaler is not None:
         out["optim.scaler"] = torch.tensor([opt.scaler.scale, opt.scaler.good_steps], dtype=torch.float64)
+    for name, b in _persistent(par).items():
+        out[f"buffer.{name}"] = b
     return out
+
+
+def _persistent(par) -> dict[str, torch.Tensor]:
+    """This rank's buffers that the model's state dict holds, by FQN."""
+    return {n: b for n, b in par.named_model_buffers().items() if n in par.compiled.persistent}
 
 
 def rank_orders(par) -> dict[str, dict[int, torch.Tensor]]:
@@ -182,7 +190,7 @@ class _Slot:
 
     key: str
     like: torch.Tensor
-    role: str  # "param", "master" or an optimizer state name
+    role: str  # "param", "master", "buffer" or an optimizer state name
     name: str = ""  # the parameter FQN
 
 
@@ -223,6 +231,10 @@ def _plan(path: str, par, opt) -> list[_Slot]:
     for name, p in params.items():
         slots += _param_slots(name, p, opt, saved)
         slots += _state_slots(name, opt, stated)
+    for name, b in _persistent(par).items():
+        if f"buffer.{name}" not in saved:
+            raise ValueError(f"checkpoint {path} has no buffer {name!r}, which this model keeps in its state dict")
+        slots.append(_Slot(f"buffer.{name}", b, "buffer", name))
     slots.append(_Slot("rng.cpu", torch.empty(saved["rng.cpu"].size, dtype=torch.uint8), "rng"))
     if "optim.scaler" in saved:
         slots.append(_Slot("optim.scaler", torch.empty(2, dtype=torch.float64), "scaler"))
@@ -298,7 +310,7 @@ def _commit(par, opt, slots: list[_Slot], buffers: dict) -> None:
     state: dict[str, dict] = defaultdict(dict)
     for s in slots:
         buf = buffers[id(s)]
-        if s.role in ("param", "master"):
+        if s.role in ("param", "master", "buffer"):
             local_tensor(s.like.data).copy_(local_tensor(buf))
         elif s.name:
             state[s.name][s.role] = buf

@@ -265,7 +265,7 @@ def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, da
     """The `Compiled` of an eager model: every parameter replicated, gradients summed over `data`."""
     from ..capture.trace import Traced
     from ..estimates.records import with_data_parallel
-    from ..program import Compiled, EagerStages, model_state
+    from ..program import Compiled, EagerStages, model_state, persistent_buffers
 
     axes = Axes(mesh.axis_names, mesh.axis_sizes)
     layouts = {n: _annotate.spec_to_layout(P(), mesh) for n in canon}
@@ -278,7 +278,8 @@ def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, da
     compiled = Compiled(
         mesh=mesh, axes=axes, program=EagerStages(stages, None), traced=traced, comms=[], specials=[],
         param_specs=dict(plan.specs), param_layouts=layouts, input_layouts=in_layouts, input_names=call.names,
-        plan=plan, options=options, buffers=dict(model.named_buffers()), data_axes=data,
+        plan=plan, options=options, buffers=dict(model.named_buffers()),
+        persistent=persistent_buffers(model), data_axes=data,
         synced_params=frozenset(synced),
     )  # fmt: skip
     return dataclasses.replace(compiled, plan=plan.replace(memory=model_state(compiled)))

@@ -16,23 +16,22 @@ __all__ = ["BalancingBias", "apply_expert"]
 
 
 class BalancingBias:
-    """The balancing routers this rank holds (with a pipeline: its stages'), updated by `step`."""
+    """The balancing routers of `par` this rank holds (with a pipeline: its stages'), updated by `step`.
+    Their buffers are looked up by name at each step: loading a checkpoint may replace them."""
 
-    def __init__(self, routers: list[tuple[torch.Tensor, torch.Tensor, float]]):
-        self.routers = routers
+    def __init__(self, par, routers: tuple[tuple[str, str, float], ...]):
+        self.par, self.routers = par, routers
 
     @torch.no_grad()
     def step(self) -> None:
+        held = self.par.named_model_buffers()
         for counts, bias, rate in self.routers:
-            bias += rate * torch.sign(counts.mean() - counts).to(bias.dtype)
-            counts.zero_()
+            if counts in held and bias in held:
+                c, b = held[counts], held[bias]
+                b += rate * torch.sign(c.mean() - c).to(b.dtype)
+                c.zero_()
 
 
 def apply_expert(par) -> BalancingBias | None:
-    """The balancing biases of the compiled model's routers, found among this rank's buffers by name."""
-    wanted = par.compiled.routers
-    if not wanted:
-        return None
-    held = par.named_model_buffers()
-    routers = [(held[c], held[b], rate) for c, b, rate in wanted if c in held and b in held]
-    return BalancingBias(routers) if routers else None
+    """The balancing of the compiled model's routers (`compiler.capture.moe.balancing_routers`), if any."""
+    return BalancingBias(par, par.compiled.routers) if par.compiled.routers else None
