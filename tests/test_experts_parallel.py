@@ -41,6 +41,8 @@ def test_an_moe_model_on_ep_trains_as_the_single_process(name, mesh, options):
     got = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)
     for rank in got:
         assert_same(ref, rank, rtol=1e-12, atol=1e-12)
+    if options.get("microbatches", 1) > 1:  # per-microbatch routing statistics are stated
+        assert "each microbatch's" in dict(got[0].plan.notes)["MoE"]
 
 
 COUNTS, BIAS = "tokens_per_expert", "e_score_correction_bias"

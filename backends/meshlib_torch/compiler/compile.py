@@ -18,6 +18,7 @@ from meshlib import CANONICAL_AXES, Mesh, Precision
 from meshlib.options import Parallelism, Pipelining, gather
 
 from .capture.call import Call, LossSpec, bind_call
+from .capture.moe import expert_modules
 from .estimates.records import step_collectives
 from .graph import compile_graph
 from .pipeline.compile import compile_pipeline
@@ -74,6 +75,14 @@ def compile_model(
         plan = compiled.plan.replace(collectives=tuple(step_collectives(compiled, m)), microbatches=m)
         compiled = dataclasses.replace(compiled, plan=plan)
     _check_axes_used(compiled, pipe.pp_axis, par.idle_axes)
+    if m > 1 and expert_modules(model):
+        note = (
+            "routing statistics, and a load-balancing loss computed from them, are each microbatch's (as "
+            "Megatron-LM and torchtitan compute them), not the whole batch's as one step over it would; token "
+            "counts for a balancing bias add up over the microbatches"
+        )
+        plan = compiled.plan.replace(notes=(*compiled.plan.notes, ("MoE", note)))
+        compiled = dataclasses.replace(compiled, plan=plan)
     return compiled
 
 
