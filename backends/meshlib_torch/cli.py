@@ -221,6 +221,8 @@ def run_main(args, argv: list[str] | None = None) -> None:
         result = train_parallel(run, progress=rank0)
         if rank0:
             show(_run_summary(run, result))
+            if result.routing:
+                show(_routing_table(result.routing))
             if args.export:
                 print(f"exported the trained model to {args.export}")
             if not args.no_reference:
@@ -254,6 +256,19 @@ def _run_summary(run, result) -> Table:
         ("phase", "kind", "axis", "bytes"),
         rows,
         f"losses: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}",
+    )
+
+
+def _routing_table(routing: list) -> Table:
+    rows = [
+        (name.removesuffix(".tokens_per_expert"), " ".join(f"{c:.0f}" for c in counts), f"{imbalance:.2f}", "0")
+        for name, counts, imbalance in routing
+    ]  # fmt: skip
+    return Table(
+        "router statistics, last step (summed over every rank that routes)",
+        ("router", "tokens per expert", "imbalance (max / mean)", "dropped"),
+        rows,
+        "dropless dispatch: no token is dropped",
     )
 
 

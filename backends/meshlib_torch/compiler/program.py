@@ -81,7 +81,7 @@ class Compiled:
     data_axes: tuple[str, ...] = ()
     parts: dict[fx.Node, int] = field(default_factory=dict, repr=False)  # node -> pre/layer/post part
     synced_params: frozenset[str] = frozenset()  # gradients the runtime sums over the data axes
-    routers: tuple[tuple[str, str, float], ...] = ()  # balancing biases to update (`capture.moe.balancing_routers`)
+    routers: tuple[tuple[str, str, float], ...] = ()  # token counts, balancing biases (`capture.moe.balancing_routers`)
     persistent: frozenset[str] = frozenset()  # buffers in the model's state dict (checkpoints keep them)
     microbatches: int = 1  # in the global batch: a pipeline's, or (one graph) gradient accumulation's
     pp_axis: str = "pp"

@@ -47,7 +47,7 @@ class Parallel(nn.Module):
         self.fp32_init: dict[str, torch.Tensor] = {}  # full-precision values of bf16/fp16 parameters (masters)
         self.track_grad_norm = False  # note `last_grad_norm` before every update (one more collective)
         self.last_grad_norm: float | None = None
-        self.balancing = None  # `BalancingBias`: routers whose bias follows their experts' load
+        self.routing = None  # `Routing`: the routers' token counts, and balancing biases that follow them
 
     # -- what it holds ------------------------------------------------------------------------------
     @property
@@ -156,8 +156,8 @@ class Parallel(nn.Module):
             self.last_grad_norm = self.grad_norm() / (opt.scaler.scale if opt.scaler else 1.0)
         opt.step()
         opt.zero_grad()
-        if self.balancing is not None:  # DeepSeek-V3's balancing bias, from this step's token counts
-            self.balancing.step()
+        if self.routing is not None:  # router statistics, and DeepSeek-V3's balancing bias from them
+            self.routing.step()
         return loss
 
     def _accumulate(self, local: list[torch.Tensor], opt) -> float:

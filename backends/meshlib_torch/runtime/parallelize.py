@@ -70,7 +70,7 @@ def parallelize(
     par.fsdp_units, whole_sync = apply_zero(par, offload=run.offload, prefetch=run.prefetch)
     par.grad_sync = par.grad_sync or whole_sync  # ZeRO-0's, or the parameters FSDP2 leaves whole
     par.pipeline = apply_pipeline(par)
-    par.balancing = apply_expert(par)
+    par.routing = apply_expert(par)
     return par
 
 

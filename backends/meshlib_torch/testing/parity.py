@@ -88,6 +88,7 @@ class RunResult:
     params: dict[str, torch.Tensor]
     plan: object = None
     comm: dict | None = None
+    routing: list = field(default_factory=list)  # `Routing.statistics()` of the last step (MoE models)
 
 
 def _init(cfg, run: RunConfig | None = None):
@@ -186,7 +187,11 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
     params = {}
     for part in everyone:
         params.update(part)
-    return RunResult(losses, norms, params, par.plan, comm)
+    routing = par.routing.statistics() if par.routing is not None else []
+    everyone = [None] * torch.distributed.get_world_size()  # a pipeline rank holds its stages' routers
+    torch.distributed.all_gather_object(everyone, routing)
+    routing = sorted({name: (name, c, r) for part in everyone for name, c, r in part}.values())
+    return RunResult(losses, norms, params, par.plan, comm, routing)
 
 
 def build_parallel(run: RunConfig):

@@ -142,16 +142,20 @@ def _region_forward(mod: nn.Module, mapped):
 
 
 def balancing_routers(model: nn.Module) -> tuple[tuple[str, str, float], ...]:
-    """`(counts buffer, bias buffer, rate)` of each router that balances by a bias (DeepSeek-V3's
-    auxiliary-loss-free balancing): buffers `tokens_per_expert` and `e_score_correction_bias`, and a
-    `bias_update_rate` above 0. The runtime updates the bias after each optimizer step."""
+    """`(counts buffer, bias buffer or "", rate)` of each router that counts its tokens per expert (a
+    buffer `tokens_per_expert`: the runtime reports them); one that balances by a bias (DeepSeek-V3's
+    auxiliary-loss-free balancing: a buffer `e_score_correction_bias` and `bias_update_rate` above 0)
+    has its bias updated by the runtime after each optimizer step."""
     out = []
     for name, mod in model.named_modules():
-        rate = getattr(mod, "bias_update_rate", 0.0)
         buffers = dict(mod.named_buffers(recurse=False))
-        if isinstance(rate, float) and rate > 0 and {"tokens_per_expert", "e_score_correction_bias"} <= set(buffers):
-            prefix = f"{name}." if name else ""
-            out.append((f"{prefix}tokens_per_expert", f"{prefix}e_score_correction_bias", rate))
+        if "tokens_per_expert" not in buffers:
+            continue
+        rate = getattr(mod, "bias_update_rate", 0.0)
+        prefix = f"{name}." if name else ""
+        balances = isinstance(rate, float) and rate > 0 and "e_score_correction_bias" in buffers
+        bias = f"{prefix}e_score_correction_bias" if balances else ""
+        out.append((f"{prefix}tokens_per_expert", bias, rate if balances else 0.0))
     return tuple(out)
 
 
