@@ -125,7 +125,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     annotate_run_dtypes(gm, call, compute)
     specs = _annotate.param_specs(traced.params, rules, mesh, traced.aliases, options.uneven)
     specs = expert_weight_specs(specs, experts, mesh)
-    if experts and options.zero >= 1 and "ep" in mesh.axis_names:
+    if experts and options.zero >= 1 and "ep" in data:
         raise NotImplementedError(
             f"zero={options.zero} with expert parallelism: the experts' state would be sharded over the data axes "
             "besides ep and the rest over all of them, which meshlib does not run yet. Fix: use zero=0 on a mesh "

@@ -97,8 +97,12 @@ def check_moe(model: nn.Module) -> None:
 
 
 def expert_spec(mesh: Mesh) -> P:
-    """What an expert weight is split as: its expert dim over `ep`, when the mesh has it."""
-    return P("ep") if "ep" in mesh.axis_names else P()
+    """What an expert weight is split as: its expert dim over `ep`, when the mesh has it (of size > 1)."""
+    return P("ep") if _has_ep(mesh) else P()
+
+
+def _has_ep(mesh: Mesh) -> bool:
+    return "ep" in mesh.axis_names and mesh.axis_size("ep") > 1
 
 
 @contextlib.contextmanager
@@ -107,7 +111,7 @@ def experts_as_regions(model: nn.Module, mesh: Mesh, data: tuple[str, ...], capa
     from ...experts import experts_ep
     from ...spmd.shard_map import shard_map
 
-    axis = "ep" if "ep" in mesh.axis_names else None
+    axis = "ep" if _has_ep(mesh) else None
     tokens, weights = P(data or None), expert_spec(mesh)
     mapped = shard_map(
         _with(experts_ep, axis, capacity_factor), mesh=mesh, in_specs=(tokens, tokens, tokens, weights, weights),
