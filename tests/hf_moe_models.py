@@ -83,6 +83,11 @@ def build_deepseek() -> nn.Module:
     return _randomised(tf.DeepseekV3ForCausalLM(cfg))
 
 
+def build_deepseek_fp32() -> nn.Module:
+    """DeepSeek-V3 as above, in fp32: its casts to fp32 as they are, nothing patched."""
+    return build_deepseek().float()
+
+
 def build_qwen2_moe() -> nn.Module:
     tf = _transformers()
     cfg = tf.Qwen2MoeConfig(

@@ -6,7 +6,7 @@ Method:
   group limit change some token's experts) are copied into our `MoE`; the outputs, the router's choices
   and weights, and the gradients of a random projection of the output with respect to the input and every
   weight agree to 1e-12. transformers computes routers (and norms, rotary angles) in fp32 whatever the
-  model's dtype; while a reference runs, `_fp64_kept` makes `.float()`, `.to(float32)` and `.type(float32)`
+  model's dtype; while a reference runs, `hf_moe_models.fp64_kept` makes `.float()`, `.to(float32)` and
   leave an fp64 tensor as it is, so the reference is fp64 throughout. Unpatched, in fp32, the same blocks
   agree to fp32 accuracy: the patch hides nothing else.
 - The whole `moe-tiny` against `MixtralForCausalLM` (sdpa attention, its fp32 rotary frequencies
@@ -30,13 +30,13 @@ Method:
 from __future__ import annotations
 
 import re
-from contextlib import ExitStack, contextmanager
-from unittest import mock
+from contextlib import ExitStack
 
 import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from hf_moe_models import fp64_kept
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
@@ -52,25 +52,6 @@ SIGMOID = MoEConfig(
     dim=32, n_experts=8, top_k=2, moe_hidden_dim=16, router="sigmoid", n_groups=4, topk_groups=2, n_shared_experts=1,
     routed_scaling_factor=2.5,
 )
-
-
-@contextmanager
-def _fp64_kept():
-    """While it is open, `.float()`, `.to(...)` and `.type(...)` give an fp64 tensor back as it is where
-    they would make it fp32 (transformers computes routers, norms and rotary angles in fp32)."""
-
-    def keeping(method):
-        def kept(self, *args, **kwargs):
-            out = method(self, *args, **kwargs)
-            downcast = isinstance(out, torch.Tensor) and out.dtype == torch.float32 and self.dtype == torch.float64
-            return self if downcast else out
-
-        return kept
-
-    with ExitStack() as stack:
-        for name in ("float", "to", "type"):
-            stack.enter_context(mock.patch.object(torch.Tensor, name, keeping(getattr(torch.Tensor, name))))
-        yield
 
 
 def _mixtral_block(dtype=torch.float64):
@@ -119,10 +100,10 @@ def _copied(ours: torch.nn.Module, ref: torch.nn.Module, renames: dict) -> torch
     return ours
 
 
-def _run(block, x, cotangent, *, fp64_kept=False):
+def _run(block, x, cotangent, *, keep_fp64=False):
     """The block's output, and the gradients of <output, cotangent> for the input and each parameter."""
     x = x.clone().requires_grad_(True)
-    with _fp64_kept() if fp64_kept else ExitStack():
+    with fp64_kept() if keep_fp64 else ExitStack():
         y = block(x)
     (y * cotangent).sum().backward()
     return y.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
@@ -138,13 +119,13 @@ def test_moe_blocks_equal_transformers_in_fp64(make, renames):
     x = torch.randn(2, 7, 32, dtype=torch.float64)
     cot = torch.randn_like(x)
     y, dx, grads = _run(ours, x, cot)
-    y_ref, dx_ref, grads_ref = _run(ref, x, cot, fp64_kept=True)
+    y_ref, dx_ref, grads_ref = _run(ref, x, cot, keep_fp64=True)
     torch.testing.assert_close(y, y_ref, **TIGHT)
     torch.testing.assert_close(dx, dx_ref, **TIGHT)
     for name, g in grads.items():
         torch.testing.assert_close(g, grads_ref[_hf_name(name, renames)], **TIGHT, msg=name)
     flat = x.reshape(-1, 32)
-    with torch.no_grad(), _fp64_kept():
+    with torch.no_grad(), fp64_kept():
         _, w_ref, i_ref = ref.gate(flat)
     _, w, i = ours.gate(flat)
     torch.testing.assert_close(i.sort(-1).values, i_ref.sort(-1).values, rtol=0, atol=0)
@@ -155,7 +136,7 @@ def test_deepseek_reference_exercises_the_bias_and_the_group_limit():
     ref, _ = _deepseek_block()
     torch.manual_seed(1)
     flat = torch.randn(14, 32, dtype=torch.float64)
-    with torch.no_grad(), _fp64_kept():
+    with torch.no_grad(), fp64_kept():
         logits, _, chosen = ref.gate(flat)
     scores, bias = logits.sigmoid(), ref.gate.e_score_correction_bias
     as_sets = lambda index: [set(row) for row in index.tolist()]
@@ -191,7 +172,7 @@ def test_balancing_loss_closed_form_and_transformers():
     torch.manual_seed(2)
     ref, ours = _mixtral_block()
     x = torch.randn(3, 5, 32, dtype=torch.float64)
-    with torch.no_grad(), _fp64_kept():
+    with torch.no_grad(), fp64_kept():
         logits, _, chosen = ref.gate(x.reshape(-1, 32))
     _, aux = ours.forward_with_aux(x)
     by_hand = _aux_by_hand(logits.softmax(-1), chosen.tolist())
@@ -213,7 +194,7 @@ def test_balancing_loss_sigmoid_router_uses_scores_normalised_per_token():
     ref, ours = _deepseek_block()
     torch.manual_seed(2)
     x = torch.randn(3, 5, 32, dtype=torch.float64)
-    with torch.no_grad(), _fp64_kept():
+    with torch.no_grad(), fp64_kept():
         logits, _, chosen = ref.gate(x.reshape(-1, 32))
     _, aux = ours.forward_with_aux(x)
     scores = logits.sigmoid()
@@ -262,7 +243,7 @@ def test_moe_tiny_equals_mixtral_for_causal_lm_in_fp64():
     tokens, targets = torch.randint(0, cfg.vocab_size, (2, 2, 12)).unbind(0)
     loss = ours(tokens, targets)
     loss.backward()
-    with _fp64_kept():
+    with fp64_kept():
         out = ref(input_ids=tokens, output_router_logits=True)
     routers = out.router_logits
     assert len(routers) == cfg.n_layers and routers[0].dtype == torch.float64

@@ -51,12 +51,14 @@ def _rand(shape, gen, dtype=F64):
 
 # -- one generator per op kind: (draw, n, gen) -> OpCase ----------------------------------------------
 def _binary(draw, n, gen):
-    fn = draw(st.sampled_from([operator.add, operator.sub, operator.mul, operator.truediv, aten.add.Tensor]))
+    in_place = [aten.add_.Tensor, aten.div_.Tensor]  # as torch.export keeps `x += y` and `x /= y`
+    fn = draw(st.sampled_from([operator.add, operator.sub, operator.mul, operator.truediv, aten.add.Tensor, *in_place]))
     shape = _dims(draw, draw(st.integers(1, 3)), n)
     other = shape[draw(st.integers(0, len(shape) - 1)) :]  # broadcasts from the right
     if draw(st.booleans()):
         return OpCase(fn, [_rand(shape, gen)], (In(0), 1.5))
-    y = _rand(other, gen).abs() + 1 if fn is operator.truediv else _rand(other, gen)
+    divides = fn in (operator.truediv, aten.div_.Tensor)
+    y = _rand(other, gen).abs() + 1 if divides else _rand(other, gen)
     return OpCase(fn, [_rand(shape, gen), y], (In(0), In(1)))
 
 
@@ -283,7 +285,18 @@ def _scatter(draw, n, gen):
     index = torch.randint(0, (a, b)[dim], (a, b), generator=gen)
     if draw(st.booleans()):
         return OpCase(torch.scatter_add, [_rand((a, b), gen), index, _rand((a, b), gen)], (In(0), dim, In(1), In(2)))
+    if draw(st.booleans()):  # in place into zeros, a mask of chosen groups (DeepSeek-V3's router)
+        return OpCase(aten.scatter_.value, [torch.zeros(a, b, dtype=F64), index[:, :1] * 0], (In(0), dim, In(1), 1.0))
     return OpCase(torch.scatter, [_rand((a, b), gen), index[:, :1] * 0, _rand((a, b), gen)], (In(0), dim, In(1), In(2)))
+
+
+def _histc(draw, n, gen):
+    """Counts of values in a given range (Mixtral's balancing loss counts the chosen experts so), or in
+    the data's own range (min == max)."""
+    bins = draw(st.sampled_from([4, 8]))
+    x = torch.randint(0, bins, _dims(draw, draw(st.integers(1, 2)), n), generator=gen).to(F64)
+    lo, hi = draw(st.sampled_from([(0, bins), (1, bins - 1), (0, 0)]))
+    return OpCase(torch.histc, [x], (In(0), bins, lo, hi))
 
 
 CASES = {
@@ -294,7 +307,7 @@ CASES = {
     "repeat_interleave": _repeat_interleave, "split": _split, "cat": _cat, "index": _index, "slice": _slice,
     "tri": _tri, "like": _like, "unknown": _unknown, "pointwise": _pointwise, "scan": _scan, "diff": _diff,
     "pad": _pad, "new": _new, "gather": _gather, "index_select": _index_select, "index_tensor": _index_tensor,
-    "stack": _stack, "unbind": _unbind, "topk": _topk, "scatter": _scatter,
+    "stack": _stack, "unbind": _unbind, "topk": _topk, "scatter": _scatter, "histc": _histc,
 }  # fmt: skip
 # kinds that share a rule with one above: "sub", "mul", "div" (binary), "mean" (reduction), "select" (slice)
 SAME_RULE = {"sub": "add", "mul": "add", "div": "add", "mean": "sum", "select": "slice"}

@@ -223,17 +223,6 @@ def test_keyword_inputs_bind_by_name_and_mismatches_say_what_to_fix():
         c.traced.call.bind((), {"input_ids": ids, "labels": ids, "use_cache": True})
 
 
-def test_mixture_of_experts_is_refused_by_name():
-    tf = rm._quiet_transformers()
-    cfg = tf.MixtralConfig(
-        vocab_size=rm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
-    model = tf.MixtralForCausalLM(cfg)
-    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp \(MixtralSparseMoeBlock\), model\.layers\.1\.mlp \(MixtralSparseMoeBlock\): mixture-of-experts blocks.*Expert parallelism \(the ep axis and its all-to-all\) is not supported yet"):
-        compile_model(model, mesh=ml.Mesh(dp=2), rules=ml.pattern_rules({}, default=ml.P()), example_inputs=rm.hf_batch(0))
-
-
 # -- weights -------------------------------------------------------------------------------------
 def _parallelize_twice(kind: str):
     """On every rank: the model's weights checked against init= and the meta device."""

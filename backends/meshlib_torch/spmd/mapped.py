@@ -3,6 +3,8 @@
 - Called on real tensors or DTensors, it runs on the mesh's ranks (`shard_map.eager_call`).
 - Traced by torch.fx inside a model given to `compile_model`, it is one node: the call itself, whose
   target is this object, opaque to the compiler but for its specs (`compiler.placement.ops`).
+- Traced by torch.export, it is one call of the custom op `meshlib::shard_map` on its tensors (`exported`),
+  which the compiler turns back into the call itself (`capture.shard_maps.restore_shard_maps`).
 - Called on meta or fake tensors (the compiler's passes that note each value's shape and dtype), it
   returns empty tensors of the results' global shapes, from one abstract run of `f` on the shards.
 
@@ -12,6 +14,8 @@ This module imports nothing of the runtime, so the compiler can recognise a regi
 from __future__ import annotations
 
 import functools
+import itertools
+from dataclasses import dataclass
 
 import optree
 import torch
@@ -23,7 +27,7 @@ from ..torch_private import is_fake
 from .plan import abstract_run
 from .specs import Leaf, global_shape, local_shape, match
 
-__all__ = ["ShardMapped", "local_args"]
+__all__ = ["Exported", "ShardMapped", "exported", "local_args"]
 
 
 class ShardMapped:
@@ -42,6 +46,8 @@ class ShardMapped:
         proxy = next((a for a in leaves if isinstance(a, fx.Proxy)), None)
         if proxy is not None:  # traced by torch.fx: one node, this object its target
             return proxy.tracer.create_proxy("call_function", self, args, {})
+        if torch.compiler.is_exporting():
+            return _export_call(self, args)
         tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
         if tensors and all(t.is_meta or is_fake(t) for t in tensors):
             return self.abstract(args)
@@ -78,3 +84,51 @@ def local_args(mapped: ShardMapped, args: tuple) -> tuple[list[Leaf], list[Leaf]
         shape = local_shape(leaf, tuple(leaf.value.shape), mapped.mesh, name)
         local.append(Leaf(leaf.path, torch.empty(shape, dtype=leaf.value.dtype, device="meta"), leaf.spec))
     return leaves, local, treedef
+
+
+@dataclass
+class Exported:
+    """A region called while torch.export traced: the call's argument tree, its non-tensor leaves (None
+    where a tensor goes) and, once the op's fake ran, its result tree."""
+
+    mapped: ShardMapped
+    args: object
+    leaves: list
+    out: object = None
+
+    def call_args(self, tensors: list) -> tuple:
+        it = iter(tensors)
+        return optree.tree_unflatten(self.args, [next(it) if leaf is None else leaf for leaf in self.leaves])
+
+
+_EXPORTED: dict[int, Exported] = {}  # key -> the region call a `meshlib::shard_map` node stands for
+_KEYS = itertools.count()
+
+
+def exported(key: int) -> Exported:
+    """The region call a `meshlib::shard_map` node of key `key` stands for (given once)."""
+    return _EXPORTED.pop(key)
+
+
+@torch.library.custom_op("meshlib::shard_map", mutates_args=())
+def _region_op(key: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    raise RuntimeError(
+        "meshlib::shard_map stands for a shard_map region in a graph torch.export traced; the compiler puts the "
+        "region back in its place (capture.shard_maps.restore_shard_maps) before anything runs"
+    )
+
+
+@_region_op.register_fake
+def _region_op_fake(key: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    call = _EXPORTED[key]
+    leaves, call.out = optree.tree_flatten(call.mapped.abstract(call.call_args(tensors)), none_is_leaf=True)
+    return leaves
+
+
+def _export_call(mapped: ShardMapped, args: tuple):
+    """One `meshlib::shard_map` op on the call's tensors: torch.export keeps it as one node."""
+    leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
+    key = next(_KEYS)
+    _EXPORTED[key] = Exported(mapped, treedef, [None if isinstance(a, torch.Tensor) else a for a in leaves])
+    outs = torch.ops.meshlib.shard_map(key, [a for a in leaves if isinstance(a, torch.Tensor)])
+    return optree.tree_unflatten(_EXPORTED[key].out, outs)

@@ -23,7 +23,8 @@ from torch import nn
 
 from meshlib import Mesh, P
 
-_MOE_CLASS = re.compile(r"moe|mixture_?of_?experts", re.IGNORECASE)
+# a MoE block's class, not every class of a family named *Moe* (Qwen2MoeAttention, OlmoeRMSNorm)
+_MOE_CLASS = re.compile(r"(moe|mixture_?of_?experts)(_?block|_?layer)?$", re.IGNORECASE)
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
@@ -33,6 +34,11 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _is_experts(mod: nn.Module) -> bool:
+    # transformers' experts decorator states its layout; gate and up interleaved, transposed weights or
+    # biases (gpt-oss) have the same shapes but other math
+    flags = {"is_transposed": False, "has_bias": False, "is_concatenated": True, "has_gate": True}
+    if any(getattr(mod, flag, want) != want for flag, want in flags.items()):
+        return False
     params = dict(mod.named_parameters(recurse=False))
     if set(params) != set(EXPERT_PARAMS) or any(True for _ in mod.children() if not _is_act(_)):
         return False

@@ -12,7 +12,9 @@
 - a move to the tracing device (export's `to.dtype_layout` from `x.to(device)`,
   which also names the dtype `x` had when traced) keeps `x` as it is, and a cast
   that also names a device keeps only its dtype: every rank computes on one
-  device, and under bf16 compute such a move must not cast back to fp32.
+  device, and under bf16 compute such a move must not cast back to fp32;
+- a fresh tensor filled by `copy_` into slices of one dim that cover it (DeepSeek's MLA keys) becomes
+  the `cat` of what was copied: the passes see values, not writes through views.
 """
 
 from __future__ import annotations
@@ -221,7 +223,71 @@ def drop_device_moves(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(node)
 
 
+_FRESH = {
+    torch.ops.aten.new_empty.default, torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_zeros.default, torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default,
+}  # fmt: skip
+
+
+def cat_filled_buffers(gm: fx.GraphModule) -> None:
+    """`k = x.new_empty(...); k[..., :a].copy_(p); k[..., a:].copy_(q)`, then k read (torch.export keeps
+    the writes through views as they are), becomes `k = cat([p, q], -1)` where the slices of one dim
+    cover k exactly, each copied into once from a value of its shape and dtype, before k is read."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for buf in [n for n in graph.nodes if n.op == "call_function" and n.target in _FRESH]:
+        found = _filled(buf, order)
+        if found is None:
+            continue
+        dim, pieces = found
+        last = max((copy for _, copy in pieces), key=order.__getitem__)
+        with graph.inserting_after(last):
+            cat = graph.call_function(torch.ops.aten.cat.default, ([copy.args[1] for _, copy in pieces], dim))
+        cat.meta = {k: v for k, v in last.meta.items() if k != "val"}
+        views = {view for view, _ in pieces}
+        buf.replace_all_uses_with(cat, delete_user_cb=lambda user, views=views: user not in views)
+        for view, copy in pieces:
+            graph.erase_node(copy)
+            graph.erase_node(view)
+        graph.erase_node(buf)
+
+
+def _filled(buf: fx.Node, order: dict) -> tuple[int, list[tuple[fx.Node, fx.Node]]] | None:
+    """`(dim, [(slice, copy_)] in order along dim)` when `buf` is filled as `cat_filled_buffers` says."""
+    val = buf.meta.get("val")
+    if not torch.is_tensor(val) or val.dim() == 0:
+        return None
+    views = [u for u in buf.users if u.target is torch.ops.aten.slice.Tensor and u.args[0] is buf]
+    readers = [u for u in buf.users if u not in views]
+    pieces, dims = [], set()
+    for view in views:
+        copy = next(iter(view.users)) if len(view.users) == 1 else None
+        if copy is None or copy.target is not torch.ops.aten.copy_.default or copy.args[0] is not view or copy.users:
+            return None
+        src = copy.args[1].meta.get("val") if isinstance(copy.args[1], fx.Node) else None
+        if not torch.is_tensor(src) or src.shape != view.meta["val"].shape or src.dtype != val.dtype:
+            return None
+        dim, start, _, step = list(view.args[1:]) + [0, None, None, 1][len(view.args) - 1 :]
+        dim %= val.dim()
+        start = start or 0
+        dims.add(dim)
+        pieces.append((start if start >= 0 else max(0, start + val.shape[dim]), step, view, copy))
+    if len(dims) != 1 or any(step != 1 for _, step, _, _ in pieces):
+        return None
+    dim = dims.pop()
+    pieces.sort(key=lambda p: p[0])
+    at = 0
+    for start, _, view, _ in pieces:
+        if start != at:
+            return None
+        at += view.meta["val"].shape[dim]
+    last = max(order[copy] for *_, copy in pieces)
+    if at != val.shape[dim] or any(order[r] < last for r in readers):
+        return None
+    return dim, [(view, copy) for _, _, view, copy in pieces]
+
+
 __all__ = [
-    "canonicalize_attrs", "drop_device_moves", "inline_leaf_modules", "split_addmm", "split_linear_bias",
-    "unflatten_matmuls",
+    "canonicalize_attrs", "cat_filled_buffers", "drop_device_moves", "inline_leaf_modules", "split_addmm",
+    "split_linear_bias", "unflatten_matmuls",
 ]  # fmt: skip

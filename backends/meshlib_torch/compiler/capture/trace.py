@@ -25,6 +25,7 @@ from .call import Call, LossChoiceError, describe, pick_loss
 from .effects import eliminate_dead_code
 from .normalize import (
     canonicalize_attrs,
+    cat_filled_buffers,
     drop_device_moves,
     inline_leaf_modules,
     split_addmm,
@@ -32,6 +33,7 @@ from .normalize import (
     unflatten_matmuls,
 )
 from .regions import current_modes, inline_regions
+from .shard_maps import restore_shard_maps
 from .source import TORCH_DIR
 from .source import reason as failure
 from .values import annotate_values
@@ -112,6 +114,7 @@ def trace(model: nn.Module, call: Call, /, *, count_flops: bool = False, compute
     canonicalize_attrs(gm, aliases)
     split_linear_bias(gm)
     split_addmm(gm)
+    cat_filled_buffers(gm)
     gm.graph.lint()
     gm.recompile()
     annotate_values(gm, call, count_flops=count_flops)
@@ -232,6 +235,7 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     tensors = {n: torch.empty_like(x, device=device) for n, x in call.tensors.items()}
     ep = torch.export.export(_calling(model, call), (), tensors, strict=False)
     gm = ep.module()
+    restore_shard_maps(gm)
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)

@@ -69,10 +69,10 @@ X = ("x",)
 _BINARY = ("x", "y", "alpha")
 for _kind, _fns in {
     "add": (operator.add, torch.add, aten.add.Tensor, aten.add.Scalar, _method("add"), operator.iadd, aten.add_.Tensor),
-    "sub": (operator.sub, torch.sub, aten.sub.Tensor, aten.sub.Scalar, _method("sub"), aten.sub_.Tensor),
-    "mul": (operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar, _method("mul"), operator.imul, aten.mul_.Tensor),
+    "sub": (operator.sub, torch.sub, aten.sub.Tensor, aten.sub.Scalar, _method("sub")),
+    "mul": (operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar, _method("mul"), operator.imul),
     "div": (operator.truediv, torch.div, aten.div.Tensor, aten.div.Scalar, _method("div"), aten.div_.Tensor),
-}.items():  # torch.export keeps `x /= y` as `aten.div_`: later reads of x name its node, so it is `div` here
+}.items():  # torch.export keeps `x /= y` as `aten.div_`, later reads of x naming its node: it is `div` here
     _register(_kind, ("x", "y"), *((fn, _BINARY) for fn in _fns))
 
 _UNARY_NONLINEAR = {
@@ -195,8 +195,14 @@ _register(
     ("x", "index", "src"),
     *((fn, ("x", "dim", "index", "src")) for fn in (
         torch.scatter, _method("scatter"), _method("scatter_"), torch.scatter_add, _method("scatter_add"),
-        _method("scatter_add_"), aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
+        _method("scatter_add_"), aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_.src,
+        aten.scatter_.value, aten.scatter_add_.default,
     )),
+)  # fmt: skip
+_register(
+    "histc",
+    X,
+    *((fn, ("x", "bins", "min", "max")) for fn in (torch.histc, _method("histc"), aten.histc.default)),
 )  # fmt: skip
 _register(
     "topk",

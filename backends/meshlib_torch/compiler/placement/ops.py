@@ -475,6 +475,15 @@ def topk(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     return [Strategy((s,), (s, s)) for s in _shards(cur) if s.dim != dim] + [Strategy((R,), (R, R))]
 
 
+def histc(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
+    """`torch.histc(x, bins, min, max)` over a range it is given (min < max): the counts of each rank's
+    shard (of any dim: every element is counted alike) sum to the whole's. A range read from the data
+    (min == max, the default) needs x whole."""
+    if not v.p.get("min", 0) < v.p.get("max", 0):
+        return [Strategy((R,), R)]
+    return [Strategy((s,), PARTIAL) for s in _shards(cur)] + [Strategy((R,), R)]
+
+
 def shard_map(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     """A region of per-shard code (`meshlib_torch.shard_map`): its inputs as its in specs place them on
     this axis, its results as its out specs do; nothing else."""
@@ -510,7 +519,7 @@ RULES = {
     "slice": slice_, "select": slice_, "tri": tri, "like": like, "unknown": replicate,
     "pointwise": pointwise, "scan": scan, "diff": diff, "pad": pad, "new": new, "gather": gather,
     "index_select": index_select, "index_tensor": index_tensor, "stack": stack, "unbind": unbind, "topk": topk,
-    "scatter": scatter,
+    "scatter": scatter, "histc": histc,
     "shard_map": shard_map,
 }  # fmt: skip
 

@@ -1,0 +1,131 @@
+"""transformers' mixture-of-experts models, unmodified, on expert parallelism: the single process's numbers,
+or an error naming what meshlib does not run.
+
+Method (parity): every rank of a `RankPool` builds the model (`hf_moe_models`: tiny configs, random
+weights, no download) and hands it to `parallelize` on the mesh; each experts module becomes the
+`experts_ep` region over `ep` (tokens to their experts by all-to-all), the router and shared experts stay
+graph ops placed by their rules. 3 AdamW steps follow. The parent trains the unmodified model with the
+same weights and batches with `torch.optim.AdamW`. The losses, every gradient after the first backward
+and every parameter after the last step must agree. transformers computes routers, norms, rotary angles
+and the loss's logits in fp32 whatever the model's dtype (`.float()`, `.to(torch.float32)`,
+`.type(torch.float32)`); both sides run under `fp64_kept`, which leaves an fp64 tensor as it is there, so
+both are fp64 throughout and agree to 1e-12. Unpatched, in fp32, DeepSeek-V3 agrees to 1e-5: the patch
+hides nothing but rounding.
+
+Method (errors, no processes): a model with an option meshlib does not run, or experts stored in a layout
+it does not recognise, is refused by `compile_model`, naming the module and the fix.
+"""
+
+from __future__ import annotations
+
+import hf_moe_models as hm
+import pytest
+import torch
+
+import meshlib as ml
+from meshlib_torch import compile_model
+from meshlib_torch.testing.pool import get_pool
+from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
+
+pytest.importorskip("transformers")
+
+MODELS = {
+    "mixtral": hm.build_mixtral,
+    "mixtral-aux": hm.build_mixtral_aux,
+    "deepseek-v3": hm.build_deepseek,
+    "qwen2-moe": hm.build_qwen2_moe,
+    "qwen3-moe": hm.build_qwen3_moe,
+    "olmoe": hm.build_olmoe,
+}
+_REFERENCES: dict = {}
+PP = {"microbatches": 2}
+REPLICATED = ml.pattern_rules({}, default=ml.P())  # the expert weights go over ep by themselves
+
+
+def _trial(name: str, mesh: str, options: dict) -> Trial:
+    return Trial(MODELS[name], hm.batch, mesh=mesh, loss="loss", lr=1e-3, options=options)
+
+
+def _reference(name: str):
+    if name not in _REFERENCES:
+        _REFERENCES[name] = hm.run_single_fp64(_trial(name, "dp=2", {}))
+    return _REFERENCES[name]
+
+
+def _parity(name: str, mesh: str, options: dict) -> None:
+    results = get_pool(ml.Mesh.parse(mesh).size).run(hm.run_parallel_fp64, _trial(name, mesh, options))
+    for rank in results:
+        assert_same(_reference(name), rank, rtol=1e-12, atol=1e-12)
+    plan = results[0].plan
+    assert plan.note_map["trace"] == "export"  # transformers' forwards defeat torch.fx
+    assert any(c.kind == "all_to_all" and c.axes == ("ep",) for c in plan.collectives)  # the experts ran on ep
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "name, mesh, options",
+    [
+        ("mixtral", "ep=2", {}),
+        ("mixtral", "dp=2,ep=2", {}),
+        ("mixtral", "ep=2,pp=2", PP),
+        ("mixtral-aux", "dp=2,ep=2", {}),
+        ("deepseek-v3", "ep=2", {}),
+        ("deepseek-v3", "dp=2,ep=2", {}),
+        ("deepseek-v3", "ep=2,pp=2", PP),
+    ],
+)
+def test_parity_with_the_unmodified_model(name, mesh, options):
+    _parity(name, mesh, options)
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("name", ["qwen2-moe", "qwen3-moe", "olmoe"])
+def test_parity_of_families_with_mixtrals_expert_layout(name):
+    _parity(name, "ep=2", {})
+
+
+@pytest.mark.ranks
+def test_fp32_unpatched_agrees_to_fp32_rounding():
+    trial = Trial(hm.build_deepseek_fp32, hm.batch, mesh="ep=2", loss="loss", lr=1e-3)
+    assert_same(run_single(trial), get_pool(2).run(run_parallel, trial)[0], rtol=1e-5, atol=1e-5)
+
+
+# -- plans (no processes) --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["mixtral-aux", "deepseek-v3"])
+def test_every_router_op_has_a_rule(name):
+    """Every op of the routers, the balancing loss and MLA is placed by a rule (none runs whole), and the
+    experts are one region per layer: an all-to-all there and back over ep, forward and backward."""
+    with hm.fp64_kept():
+        plan = compile_model(MODELS[name](), mesh=ml.Mesh(dp=2, ep=2), rules=REPLICATED, example_inputs=hm.batch(0),
+                             loss="loss").plan  # fmt: skip
+    assert "ops run whole on every rank (no rule)" not in plan.note_map
+    assert plan.note_map["data-parallel axes"] == "dp,ep"
+    moe_layers = 1 if name == "deepseek-v3" else 2
+    for phase in ("forward", "backward"):
+        exchanges = sum(c.count for c in plan.collectives if (c.phase, c.kind, c.axes) == (phase, "all_to_all", ("ep",)))
+        assert exchanges >= 2 * moe_layers, phase
+
+
+# -- what meshlib does not run ---------------------------------------------------------------------
+def _compile(model: torch.nn.Module):
+    return compile_model(model, mesh=ml.Mesh(ep=2), rules=REPLICATED, example_inputs=hm.batch(0), loss="loss")
+
+
+def test_router_jitter_noise_in_training_is_refused_by_name():
+    model = hm._transformers().MixtralForCausalLM(hm.mixtral_config(router_jitter_noise=0.1)).train()
+    with pytest.raises(NotImplementedError, match=r"^model\.layers\.0\.mlp \(MixtralSparseMoeBlock\): router jitter noise 0\.1 in training .*Fix: set router_jitter_noise=0"):
+        _compile(model)
+
+
+def test_experts_with_biases_in_another_layout_are_refused_by_name():
+    """gpt-oss stores its experts transposed, gate and up interleaved, with biases (gate_up_proj (E, H, 2I),
+    gate_up_proj_bias, down_proj (E, I, H), down_proj_bias)."""
+    tf = hm._transformers()
+    cfg = tf.GptOssConfig(**{**hm._COMMON, "attn_implementation": "eager"}, head_dim=8, intermediate_size=16,
+                          num_local_experts=8, num_experts_per_tok=2)  # fmt: skip
+    model = tf.GptOssForCausalLM(cfg)
+    assert {n for n, _ in model.model.layers[0].mlp.experts.named_parameters()} == {
+        "gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias",
+    }  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"^model\.layers\.0\.mlp \(GptOssMLP\), model\.layers\.1\.mlp \(GptOssMLP\): mixture-of-experts blocks whose experts meshlib does not recognise"):
+        _compile(model)
