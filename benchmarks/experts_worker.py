@@ -14,11 +14,10 @@ They live in their own module because a RankPool job pickles by qualified name.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
+from zero_worker import _timed  # the same timer as the ZeRO race
 
 from meshlib import Mesh
 from meshlib_torch import COUNTER, data, models, parallelize
@@ -52,17 +51,6 @@ def _build(cfg, mesh: str, example):
     m = Mesh.parse(mesh)
     return parallelize(models.build(cfg), mesh=m, rules=models.default_rules(cfg, m), example_inputs=example,
                        init=_init(cfg))  # fmt: skip
-
-
-def _timed(fn, steps: int, batches) -> float:
-    """Seconds per step on the slowest rank."""
-    dist.barrier()
-    start = time.perf_counter()
-    for i in range(steps):
-        fn(batches[i % len(batches)])
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed) / steps
 
 
 def race(model: str, overrides: dict, meshes: tuple[str, str], batch: int, seq: int, rounds: int, steps: int) -> dict:

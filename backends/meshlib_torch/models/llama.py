@@ -111,20 +111,28 @@ class Llama(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.blocks(cfg))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
 
+    @staticmethod
+    def blocks(cfg: LlamaConfig) -> list[nn.Module]:
+        return [TransformerBlock(cfg) for _ in range(cfg.n_layers)]
+
     def forward(self, tokens, targets):
         t = tokens.shape[1]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
-        h = self.tok_embeddings(tokens)
+        h, extra = self.run_layers(self.tok_embeddings(tokens), self.rope_cos[:t], self.rope_sin[:t])
+        logits = self.output(self.norm(h))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss if extra is None else loss + extra
+
+    def run_layers(self, h, cos, sin):
+        """The residual stream through the layers, and a term the loss adds (None: none)."""
         for layer in self.layers:
             h = layer(h, cos, sin)
-        logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return h, None
 
     def init_buffers(self) -> None:
         """Fill the rotary tables (they are computed, not learned or saved)."""

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .llama import Attention, FeedForward, RMSNorm, TransformerBlock, rope_tables
+from .llama import Attention, FeedForward, Llama, RMSNorm, TransformerBlock
 from .moe_config import MoEConfig
 
 
@@ -185,40 +185,28 @@ class MoEBlock(nn.Module):
         return h + y, aux
 
 
-class MoETransformer(nn.Module):
-    def __init__(self, cfg: MoEConfig):
-        super().__init__()
-        self.config = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(
-            TransformerBlock(cfg.dense()) if i < cfg.n_dense_layers else MoEBlock(cfg) for i in range(cfg.n_layers)
-        )
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+class MoETransformer(Llama):
+    """Llama with `MoEBlock`s after the first `n_dense_layers` layers; the loss adds `aux_loss_coef` times
+    the MoE layers' summed load-balancing losses (when above 0)."""
 
-    def forward(self, tokens, targets):
-        t = tokens.shape[1]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
-        h = self.tok_embeddings(tokens)
+    @staticmethod
+    def blocks(cfg: MoEConfig) -> list[nn.Module]:
+        return [TransformerBlock(cfg.dense()) if i < cfg.n_dense_layers else MoEBlock(cfg) for i in range(cfg.n_layers)]
+
+    def run_layers(self, h, cos, sin):
         for layer in self.layers[: self.config.n_dense_layers]:
             h = layer(h, cos, sin)
         aux = []
         for layer in self.layers[self.config.n_dense_layers :]:
             h, layer_aux = layer(h, cos, sin)
             aux.append(layer_aux)
-        logits = self.output(self.norm(h))
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         if self.config.aux_loss_coef > 0 and aux:
-            loss = loss + self.config.aux_loss_coef * torch.stack(aux).sum()
-        return loss
+            return h, self.config.aux_loss_coef * torch.stack(aux).sum()
+        return h, None
 
     def init_buffers(self) -> None:
         """Fill the rotary tables; zero every router's balancing bias and counts."""
-        cos, sin = rope_tables(self.config.dense())
-        self.rope_cos = cos.to(self.rope_cos.dtype, copy=True).to(self.rope_cos.device)
-        self.rope_sin = sin.to(self.rope_sin.dtype, copy=True).to(self.rope_sin.device)
+        super().init_buffers()
         for module in self.modules():
             if isinstance(module, TopKRouter):
                 module.init_buffers()
@@ -238,8 +226,8 @@ def update_balancing_bias(model: nn.Module, /) -> None:
     step: every router with `bias_update_rate` > 0 adds rate * sign(mean(counts) - counts) to its
     `e_score_correction_bias` (an underloaded expert's bias rises) and zeroes its `tokens_per_expert`.
 
-    In a data-parallel run each rank counts its own tokens: sum every router's `tokens_per_expert` over
-    the data-parallel ranks (all-reduce) before this call, so that all ranks take the same step.
+    In a parallel run meshlib's runtime takes this step itself after each update, with the counts already
+    summed over every rank that routes (`runtime/parallelisms/expert.py`).
     Recomputing the forward (activation checkpointing) counts a layer's tokens twice; the step, a sign,
     is the same. torchtitan also subtracts the step's mean, which leaves every routing choice unchanged.
 

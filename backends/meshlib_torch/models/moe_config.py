@@ -11,22 +11,15 @@ ROUTERS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True, slots=True)
-class MoEConfig:
-    """Llama's fields, then the experts'. `router`: "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3);
-    `n_groups`/`topk_groups`: group-limited routing (each token picks from its `topk_groups` best groups);
-    `norm_topk_prob`: renormalise the k weights; `routed_scaling_factor` multiplies them;
-    `aux_loss_coef`: weight of the load-balancing loss (0: off); `bias_update_rate`: DeepSeek-V3's
-    auxiliary-loss-free balancing step (0: off; sigmoid router only)."""
+class MoEConfig(LlamaConfig):
+    """Llama's fields (`hidden_dim`: the dense layers' feed-forward width), then the experts'.
 
-    vocab_size: int = 256
-    dim: int = 32
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    hidden_dim: int = 64  # the dense layers' feed-forward width
-    max_seq_len: int = 64
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    `router`: "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3); `n_groups`/`topk_groups`: group-limited
+    routing (each token picks from its `topk_groups` best groups); `norm_topk_prob`: renormalise the k
+    weights; `routed_scaling_factor` multiplies them; `aux_loss_coef`: weight of the load-balancing loss
+    (0: off); `bias_update_rate`: DeepSeek-V3's auxiliary-loss-free balancing step (0: off; sigmoid
+    router only)."""
+
     n_experts: int = 8
     top_k: int = 2
     moe_hidden_dim: int = 16  # each routed expert's width
@@ -44,14 +37,6 @@ class MoEConfig:
         problems = _problems(self)
         if problems:
             raise ValueError(f"MoEConfig: {'; '.join(problems)}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
 
     def dense(self, hidden_dim: int | None = None) -> LlamaConfig:
         """The Llama config of a dense layer whose feed-forward is `hidden_dim` wide (default: `self.hidden_dim`)."""
