@@ -52,8 +52,10 @@ def read_counts(*counts: torch.Tensor) -> list[list[int]] | None:
     which records the read but has no values."""
     region = current("read_counts")
     call = Call("host_read", user_line())
-    if region.backend.abstract or any(c.is_meta for c in counts):
-        region.backend.host_read(list(counts), call) if region.backend.abstract else None
+    if region.backend.abstract:  # a dry run: the read is recorded, there are no values
+        region.backend.host_read(list(counts), call)
+        return None
+    if any(c.is_meta for c in counts):  # meta tensors on a real backend (the vma check): nothing to read
         return None
     SYNCS.record(phase())
     return region.backend.host_read(list(counts), call)
