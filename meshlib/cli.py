@@ -222,6 +222,10 @@ def _common(p: argparse.ArgumentParser, *, own_models: bool) -> None:
         help="a dim its axes do not divide: an error (JAX's rule), or torch.chunk's block sizes",
     )  # fmt: skip
     p.add_argument(
+        "--capacity-factor", type=_positive_float, default=None, metavar="C",
+        help="MoE experts take at most ceil(C*T*k/E) of each rank's pairs, dropping the rest (default: dropless)",
+    )  # fmt: skip
+    p.add_argument(
         "--idle-axes", default="", metavar="AXIS,...",
         help="mesh axes nothing is split over, replicated on purpose (else such an axis is refused as a likely typo)",
     )  # fmt: skip

@@ -55,6 +55,9 @@ class Parallelism(_Options):
     "selective". Gathering an activation over a data axis is an error unless `allow_data_gather`;
     a mesh axis nothing is split over is an error unless named in `idle_axes`. `uneven`: "error"
     (JAX's rule) or "chunk" (torch.chunk's pieces, DTensor's Shard) for a dim its axis does not divide.
+    `capacity_factor`: a mixture-of-experts layer's experts take at most C = ceil(c·T·k/E) of the T·k
+    (token, expert) pairs a rank routes (the first C to each expert, in token order), the rest dropped,
+    counted and reported; fixed-size exchanges and no host read. None (the default): dropless.
     """
 
     in_specs: dict[str, P] | tuple[P, ...] | None = None
@@ -68,9 +71,13 @@ class Parallelism(_Options):
     allow_data_gather: bool = False
     idle_axes: tuple[str, ...] = ()
     uneven: str = "error"
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         _set(self, "zero", zero_level(self.zero))
+        c = self.capacity_factor
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
+            raise ValueError(f"capacity_factor={c!r}: give a positive number (1.25: 25% above an even share), or None")
         if isinstance(self.precision, str):
             _set(self, "precision", Precision.parse(self.precision))
         elif self.precision is not None and not isinstance(self.precision, Precision):

@@ -62,8 +62,9 @@ class Collective:
     @property
     def bus_bytes(self) -> float:
         """Bytes each rank sends in a ring: 2(n-1)/n of the payload for an all-reduce, (n-1)/n otherwise;
-        a point-to-point send moves its whole payload."""
-        if self.kind == "send_recv":
+        a point-to-point send moves its whole payload, and so does an all-to-all of uneven blocks
+        (`lax.all_to_all_v`), whose records already hold only the rows that leave the rank."""
+        if self.kind == "send_recv" or self.op.endswith("all_to_all_v"):
             return float(self.total_bytes)
         n = self.group
         factor = 2.0 if self.kind == "all_reduce" else 1.0

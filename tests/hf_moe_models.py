@@ -150,3 +150,9 @@ def run_parallel_fp64(trial: Trial):
     """`run_parallel` on every rank, its tracing and its steps under `fp64_kept`."""
     with fp64_kept():
         return run_parallel(trial)
+
+
+def meta_mixtral() -> nn.Module:
+    """`build_mixtral`'s model (fp64, training mode) on the meta device, for `weights=`."""
+    with torch.device("meta"):
+        return _transformers().MixtralForCausalLM(mixtral_config()).double().train()

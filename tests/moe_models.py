@@ -65,3 +65,32 @@ def build_balanced() -> nn.Module:
         if hasattr(layer, "moe"):
             layer.moe.gate = BalancedRouter(layer.moe.gate)
     return model
+
+
+CAPACITY = 1.0  # drops pairs of moe-tiny-ds's routing on every mesh the tests use
+
+
+def build_ds_dropping_as(blocks: int):
+    """moe-tiny-ds whose experts drop, on the global batch, what capacity mode drops on `blocks` rank calls
+    (moe-tiny-ds has no auxiliary loss, which microbatches would make per microbatch)."""
+    from meshlib_torch.testing.capacity import drop_as_ranks
+
+    model = build_ds()
+    model.capacity_hooks = drop_as_ranks(model, blocks, CAPACITY)
+    return model
+
+
+def build_ds_dropping_as_2():
+    return build_ds_dropping_as(2)
+
+
+def build_ds_dropping_as_4():
+    return build_ds_dropping_as(4)
+
+
+
+def long_batch(step: int) -> tuple:
+    """8 sequences of 64 tokens: 512 tokens, 1,024 (token, expert) pairs per router per step."""
+    g = torch.Generator().manual_seed(200 + step)
+    tokens = torch.randint(0, 256, (8, 64), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)

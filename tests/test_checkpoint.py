@@ -274,9 +274,11 @@ def test_pipeline_meshes_save_and_resume(tmp_path, saver, loader):
 
 
 # -- expert parallelism ----------------------------------------------------------------------------
-@pytest.mark.parametrize("loader", ["dp=4", "ep=4"])
-def test_expert_parallel_checkpoints_reshard_between_ep_sizes(tmp_path, loader):
-    """moe-tiny-ds (sigmoid routing with a balancing bias, a shared expert): saved on dp=2×ep=2, where each
-    rank holds 4 of the 8 experts, resumed with no ep (every rank all 8) and on ep=4 (2 each)."""
-    saver = _cfg(model="moe-tiny-ds", mesh="dp=2,ep=2", seq_len=8)
-    _save_then_resume(tmp_path, saver, _cfg(model="moe-tiny-ds", mesh=loader, seq_len=8))
+@pytest.mark.parametrize("loader, zero", [("dp=4", 1), ("ep=4", 1), ("ep=4", 3), ("dp=4", 0)])
+def test_expert_parallel_checkpoints_reshard_between_ep_sizes(tmp_path, loader, zero):
+    """moe-tiny-ds (sigmoid routing with a balancing bias, a shared expert): saved on dp=2×ep=2 with ZeRO-1,
+    where each rank holds 4 of the 8 experts and half their optimizer state (the rest's quarter), resumed with
+    no ep (every rank all 8, a quarter of the state) and on ep=4 (2 each, whole: no data rank is left to
+    spread them over), under ZeRO-1, ZeRO-3 and ZeRO-0."""
+    saver = _cfg(model="moe-tiny-ds", mesh="dp=2,ep=2", seq_len=8, zero=1)
+    _save_then_resume(tmp_path, saver, _cfg(model="moe-tiny-ds", mesh=loader, seq_len=8, zero=zero))

@@ -72,6 +72,8 @@ def _parity(name: str, mesh: str, options: dict) -> None:
         ("deepseek-v3", "ep=2", {}),
         ("deepseek-v3", "dp=2,ep=2", {}),
         ("deepseek-v3", "ep=2,pp=2", PP),
+        ("mixtral", "dp=2,ep=2", {"zero": 3}),
+        ("deepseek-v3", "dp=2,ep=2", {"zero": 1}),
     ],
 )
 def test_parity_with_the_unmodified_model(name, mesh, options):
@@ -129,3 +131,60 @@ def test_experts_with_biases_in_another_layout_are_refused_by_name():
     }  # fmt: skip
     with pytest.raises(NotImplementedError, match=r"^model\.layers\.0\.mlp \(GptOssMLP\), model\.layers\.1\.mlp \(GptOssMLP\): mixture-of-experts blocks whose experts meshlib does not recognise"):
         _compile(model)
+
+
+# -- Hugging Face checkpoints: each rank reads its own experts; export writes them back ------------------
+def _load_train_export(path: str, out: str, mesh: str) -> dict:
+    """On every rank: Mixtral from the checkpoint (one tensor per expert, as transformers saves it), noting
+    the keys this rank reads; 2 AdamW steps; export; the trained parameters whole."""
+    import re
+
+    from meshlib_torch import export, parallelize
+    from meshlib_torch.runtime.hub import SafetensorsWeights
+
+    read, keys = SafetensorsWeights.read, []
+
+    def noted(self, key, index, dtype):
+        keys.append(key)
+        return read(self, key, index, dtype)
+
+    SafetensorsWeights.read = noted
+    try:
+        m = ml.Mesh.parse(mesh)
+        with hm.fp64_kept():
+            par = parallelize(hm.meta_mixtral(), mesh=m, rules=REPLICATED, example_inputs=hm.batch(0), loss="loss",
+                              weights=path)  # fmt: skip
+    finally:
+        SafetensorsWeights.read = read
+    opt = par.optimizer(lr=1e-3)
+    with hm.fp64_kept():
+        for step in range(2):
+            par.train_step(hm.batch(step), opt)
+    export(par, out, config=hm.mixtral_config())
+    experts = sorted({int(e) for k in keys for e in re.findall(r"\.experts\.(\d+)\.", k)})
+    whole = {n: par.whole(n).detach().clone() for n in par.named_model_parameters()}
+    return {"coords": m.coords(torch.distributed.get_rank()), "experts read": experts, "params": whole}
+
+
+@pytest.mark.ranks
+def test_a_checkpoint_with_one_tensor_per_expert_loads_each_ranks_experts_and_exports_back(tmp_path):
+    """transformers saves Mixtral's experts one tensor per expert and projection (`block_sparse_moe.experts.<e>.w1`,
+    w3, w2); its conversion mapping stacks them into `mlp.experts.gate_up_proj` and `down_proj`. On dp=2×ep=2
+    each rank reads the pieces of its own 4 experts only (ep coordinate c: experts 4c..4c+3), and trains as the
+    unmodified model does from the same weights (fp64, 1e-12); `export` writes the trained model, which
+    `from_pretrained` reads back equal."""
+    path, out = str(tmp_path / "saved"), str(tmp_path / "exported")
+    hm.build_mixtral().save_pretrained(path)
+    mesh = "dp=2,ep=2"
+    trial = Trial(hm.meta_mixtral, hm.batch, mesh=mesh, loss="loss", lr=1e-3, options={"weights": path})
+    for rank in get_pool(4).run(hm.run_parallel_fp64, trial):
+        assert_same(_reference("mixtral"), rank, rtol=1e-12, atol=1e-12)
+    results = get_pool(4).run(_load_train_export, path, out, mesh)
+    for got in results:
+        c = got["coords"]["ep"]
+        assert got["experts read"] == list(range(4 * c, 4 * c + 4)), got["coords"]
+    reloaded = hm._transformers().MixtralForCausalLM.from_pretrained(out, dtype=torch.float64)
+    trained = results[0]["params"]
+    assert {n for n, _ in reloaded.named_parameters()} == set(trained)
+    for name, p in reloaded.named_parameters():
+        assert torch.equal(p.detach(), trained[name]), name

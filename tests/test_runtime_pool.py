@@ -257,3 +257,25 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def zero3_under_two_timeouts() -> list[bool]:
+    """gpt-tiny under ZeRO-3 on dp=2×tp=2, built twice in one process with two collective timeouts (two equal
+    DeviceMeshes): whether every parameter is a DTensor on the device mesh its build asked for."""
+    from meshlib_torch import parallelize
+    from meshlib_torch.models import build, default_rules
+
+    mesh, x = Mesh(dp=2, tp=2), torch.zeros(4, 16, dtype=torch.long)
+    out = []
+    for timeout in (60.0, 20.0):
+        par = parallelize(build("gpt-tiny"), mesh=mesh, rules=default_rules("gpt-tiny", mesh), example_inputs=(x, x),
+                          init=lambda n: ("normal", 0.02), zero=3, timeout=timeout)  # fmt: skip
+        out.append(all(p.device_mesh is par.device_mesh for p in par.named_model_parameters().values()))
+    return out
+
+
+def test_equal_meshes_with_two_timeouts_in_one_process_each_keep_their_parameters():
+    """torch's DTensor caches sharding propagations under keys that compare meshes by value: a parameter made
+    on the second mesh came back on the first, and FSDP2 refused it ("different mesh objects"). The runtime
+    clears those caches when it hands out another mesh equal to the last (`torch_private.forget_mesh_specs`)."""
+    assert get_pool(4).run(zero3_under_two_timeouts) == [[True, True]] * 4

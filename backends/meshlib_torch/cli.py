@@ -105,7 +105,7 @@ def _compile(args, *, seq: int):
         sequence_parallel=args.sp, zero=zero_level(args.zero), precision=args.precision or None,
         recompute=args.recompute, estimate_memory=True, microbatches=args.microbatches, schedule=args.schedule,
         chunks=args.chunks, split_points=args.split_points, balance=args.balance, idle_axes=_idle(args),
-        uneven=args.uneven,
+        uneven=args.uneven, capacity_factor=args.capacity_factor,
     )  # fmt: skip
     return compiled, (("model", args.model), *notes, ("batch x seq", f"{args.batch} x {seq}"))
 
@@ -214,15 +214,15 @@ def run_main(args, argv: list[str] | None = None) -> None:
         zero=zero_level(args.zero), precision=args.precision or "", recompute=args.recompute,
         microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
         split_points=tuple(args.split_points or ()) or None, balance=args.balance, weights=args.weights,
-        export=args.export, idle_axes=_idle(args), uneven=args.uneven,
+        export=args.export, idle_axes=_idle(args), uneven=args.uneven, capacity_factor=args.capacity_factor,
     )  # fmt: skip
     rank0 = int(os.environ["RANK"]) == 0
     try:
         result = train_parallel(run, progress=rank0)
         if rank0:
             show(_run_summary(run, result))
-            if result.routing:
-                show(_routing_table(result.routing))
+            if result.routing or result.dropped is not None:
+                show(_routing_table(result.routing, result.dropped, run.capacity_factor))
             if args.export:
                 print(f"exported the trained model to {args.export}")
             if not args.no_reference:
@@ -259,16 +259,25 @@ def _run_summary(run, result) -> Table:
     )
 
 
-def _routing_table(routing: list) -> Table:
+def _routing_table(routing: list, dropped: int | None, capacity_factor: float | None) -> Table:
     rows = [
-        (name.removesuffix(".tokens_per_expert"), " ".join(f"{c:.0f}" for c in counts), f"{imbalance:.2f}", "0")
+        (name.removesuffix(".tokens_per_expert"), " ".join(f"{c:.0f}" for c in counts), f"{imbalance:.2f}")
         for name, counts, imbalance in routing
     ]  # fmt: skip
+    if dropped is None:
+        note = "dropless dispatch: no token is dropped"
+    else:
+        routed = sum(sum(counts) for _, counts, _ in routing)
+        share = f" ({dropped / routed:.1%} of the {routed:.0f} routed)" if routed else ""
+        note = (
+            f"capacity mode (capacity_factor={capacity_factor}): {dropped} (token, expert) pairs dropped in the "
+            f"last step{share}; each expert took the first ceil({capacity_factor}·T·k/E) pairs of each rank's call"
+        )
     return Table(
         "router statistics, last step (summed over every rank that routes)",
-        ("router", "tokens per expert", "imbalance (max / mean)", "dropped"),
+        ("router", "tokens per expert", "imbalance (max / mean)"),
         rows,
-        "dropless dispatch: no token is dropped",
+        note,
     )
 
 

@@ -113,6 +113,22 @@ def flatten_mesh(dm, axes: tuple[str, ...], backend_override):
     return dm[axes]._flatten("_".join(axes), backend_override=backend_override)
 
 
+def forget_mesh_specs() -> None:
+    """Clear DTensor's cache of sharding propagations. Its keys compare DeviceMeshes by value, so once a second
+    mesh equal to an earlier one exists (the same axes, groups with another timeout) it hands back output specs
+    on the earlier mesh object, and FSDP2 refuses such parameters ("different mesh objects"). No public API
+    clears it; it refills as ops run."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    cache = getattr(propagator, "propagate_op_sharding", None)
+    if hasattr(cache, "cache_clear"):
+        cache.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's copy
+    if native is not None:
+        native()
+
+
 def world_timeout(device_type: str) -> timedelta:
     """The timeout the world group was created with."""
     return c10d.group.WORLD._get_backend(torch.device(device_type)).options._timeout

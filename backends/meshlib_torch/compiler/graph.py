@@ -22,7 +22,7 @@ from meshlib.options import Parallelism
 from ..modules.recompute import Remat, gathers
 from .capture.blocks import layer_paths, partition
 from .capture.call import Call
-from .capture.moe import balancing_routers, check_moe, expert_weight_specs, experts_as_regions
+from .capture.moe import balancing_routers, check_moe, expert_weight_specs, experts_as_regions, full_buffers
 from .capture.trace import trace
 from .capture.values import annotate_run_dtypes
 from .estimates.dryrun import dry_peak, local_input
@@ -30,7 +30,7 @@ from .estimates.records import plan_of, with_data_parallel
 from .estimates.saved import Census, census, kept_layers, remat_notes, remat_of
 from .placement import annotate as _annotate
 from .placement.localize import fold_scalars, localize
-from .placement.placements import Shard
+from .placement.placements import Shard, sync_axes
 from .placement.propagate import Axes, propagate
 from .placement.rank_ops import check_regions
 from .placement.redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params
@@ -118,18 +118,24 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     compute = getattr(torch, options.precision.param)
     in_layouts = input_layouts(call.tensors, options.in_specs, mesh, options.replicate_axes, options.uneven)
     data = data_axes(in_layouts, mesh)
-    with experts_as_regions(model, mesh, data) as experts:
+    with experts_as_regions(model, mesh, data, options.capacity_factor) as experts:
         traced = trace(model, call, count_flops=count_flops, compute=compute)
+    if options.capacity_factor is not None and not experts:
+        raise ValueError(
+            f"capacity_factor={options.capacity_factor} caps the tokens each expert takes, but this model has no "
+            "experts module meshlib recognises (see compiler/capture/moe.py). Fix: drop capacity_factor"
+        )
     gm = traced.gm
     fold_scalars(gm)  # first: export's dtype asserts name the traced dtypes, not the compute dtype's
-    annotate_run_dtypes(gm, call, compute)
+    kept = full_buffers(model)
+    annotate_run_dtypes(gm, call, compute, keep=kept)
     specs = _annotate.param_specs(traced.params, rules, mesh, traced.aliases, options.uneven)
     specs = expert_weight_specs(specs, experts, mesh)
-    if experts and options.zero >= 1 and "ep" in data:
+    if experts and options.replicate_axes and "ep" in data:
         raise NotImplementedError(
-            f"zero={options.zero} with expert parallelism: the experts' state would be sharded over the data axes "
-            "besides ep and the rest over all of them, which meshlib does not run yet. Fix: use zero=0 on a mesh "
-            "with ep"
+            f"replicate_axes={list(options.replicate_axes)} (HSDP) with expert parallelism: the experts' FSDP2 "
+            "units would shard over the data axes besides ep and the replicate axes, which meshlib does not build. "
+            "Fix: drop replicate_axes (ZeRO-2/3 then shards the experts over the data axes besides ep)"
         )
     groups = _annotate.fuse_groups(gm)
     layouts = {n: _annotate.spec_to_layout(s, mesh) for n, s in specs.items()}
@@ -149,8 +155,10 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     check_regions(gm, axes)
     plans = propagate(gm, axes, params=layouts, inputs=in_layouts)
     synced = partial_grad_params(plans, axes, data)
-    trainable = {n for n, p in traced.params.items() if p.requires_grad}
-    if options.zero >= 1 and data and synced != trainable:
+    # a parameter split over every data axis it could be summed on (an expert weight on a mesh whose only
+    # data axis is ep) has a whole gradient on each rank, and nothing to shard its state over
+    trainable = {n for n, p in traced.params.items() if p.requires_grad and sync_axes(layouts[n], axes.names, data)}
+    if options.zero >= 1 and data and not trainable <= synced:
         raise ValueError(
             f"zero={options.zero} needs every parameter's gradient to be a partial sum over {data}, but "
             f"{sorted(trainable - synced)} compute on activations gathered whole over those axes. "
@@ -178,7 +186,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
         param_specs=specs, param_layouts=layouts, input_layouts=in_layouts, input_names=names, plan=plan,
         options=options, buffers=dict(gm.named_buffers()), plans=plans, data_axes=data, synced_params=frozenset(synced),
         parts=partition(gm.graph, list(paths)), layers=len(paths), layer_paths=paths,
-        routers=balancing_routers(model), persistent=persistent_buffers(model),
+        routers=balancing_routers(model), persistent=persistent_buffers(model), full_buffers=kept,
     )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from meshlib.options import Parallelism
 from ..modules.recompute import Remat
 from .capture.trace import Traced
 from .placement.annotate import check_single_axis_uneven, spec_to_layout
-from .placement.placements import Layout, Shard, zero1_split
+from .placement.placements import Layout, Shard, sync_axes, zero1_split
 from .placement.propagate import Axes, NodePlan
 from .placement.rank_ops import SpecialSpec
 from .placement.redistribute import CommSpec
@@ -82,6 +82,7 @@ class Compiled:
     parts: dict[fx.Node, int] = field(default_factory=dict, repr=False)  # node -> pre/layer/post part
     synced_params: frozenset[str] = frozenset()  # gradients the runtime sums over the data axes
     routers: tuple[tuple[str, str, float], ...] = ()  # token counts, balancing biases (`capture.moe.balancing_routers`)
+    full_buffers: frozenset[str] = frozenset()  # floating buffers kept in their own dtype (`capture.moe.full_buffers`)
     persistent: frozenset[str] = frozenset()  # buffers in the model's state dict (checkpoints keep them)
     microbatches: int = 1  # in the global batch: a pipeline's, or (one graph) gradient accumulation's
     pp_axis: str = "pp"
@@ -188,6 +189,26 @@ def input_layouts(
     return out
 
 
+def buffer_dtype(compiled: Compiled, name: str, t: torch.Tensor) -> torch.dtype:
+    """The dtype buffer `name` (holding `t`) runs in: a floating one in the compute dtype, unless the model keeps
+    it in full precision (`Compiled.full_buffers`: a router's token counts and balancing bias)."""
+    if not t.is_floating_point() or name in compiled.full_buffers:
+        return t.dtype
+    return getattr(torch, compiled.options.precision.param)
+
+
+def shard_axes(compiled: Compiled, name: str) -> tuple[str, ...]:
+    """The data axes ZeRO shards parameter `name`'s state over: those its gradient is summed over
+    (`sync_axes`: all of them, but `ep` for an expert weight split over it), less HSDP's replicate axes."""
+    summed = sync_axes(compiled.param_layouts[name], compiled.axes.names, compiled.data_axes)
+    return tuple(a for a in summed if a not in compiled.options.replicate_axes)
+
+
+def shard_ranks(compiled: Compiled, name: str) -> int:
+    """How many ranks ZeRO shards parameter `name`'s state over (the size of its `shard_axes`)."""
+    return math.prod(compiled.mesh.axis_size(a) for a in shard_axes(compiled, name))
+
+
 def model_state(compiled: Compiled, names=None) -> Memory:
     """Bytes per rank of parameters, gradients and optimizer state, as the runtime stores them, for
     the parameters in `names` (by default all; with a pipeline, those a pp rank's stages hold).
@@ -204,23 +225,22 @@ def model_state(compiled: Compiled, names=None) -> Memory:
     mixed = getattr(torch, opts.precision.param) in (torch.bfloat16, torch.float16)
     names = [n for n in compiled.traced.params if names is None or n in names]
     numel = lambda name: math.prod(compiled.local_param_shape(name))  # noqa: E731
-    n = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes if a not in opts.replicate_axes) or 1
     if opts.zero >= 2:
         whole = fsdp_whole(compiled)
-        shards = sum(_fsdp_shard(compiled, name, n) for name in names if name not in whole)
+        shards = sum(_fsdp_shard(compiled, name, shard_ranks(compiled, name)) for name in names if name not in whole)
         kept = sum(numel(name) for name in names if name in whole)
         a = fsdp2_memory(shards, 1, itemsize=full.itemsize)
         b = zero_memory(kept, 1, zero=0, mixed=mixed, itemsize=full.itemsize)
         return Memory(params=int(a.params + b.params), grads=int(a.grads + b.grads),
                       optimizer=int(a.optimizer + b.optimizer))  # fmt: skip
     psi = sum(numel(name) for name in names)
-    if opts.zero != 1 or n == 1:
-        state = zero_memory(psi, n, zero=opts.zero, mixed=mixed, itemsize=full.itemsize)
-        return Memory(params=int(state.params), grads=int(state.grads), optimizer=int(state.optimizer))
     pieces = {k: v for k, v in zero1_pieces(compiled).items() if k in names}
-    state = zero_memory(psi, n, zero=1, mixed=mixed, itemsize=full.itemsize)
+    if opts.zero != 1 or not pieces:
+        state = zero_memory(psi, 1, zero=0, mixed=mixed, itemsize=full.itemsize)
+        return Memory(params=int(state.params), grads=int(state.grads), optimizer=int(state.optimizer))
+    state = zero_memory(psi, 1, zero=1, mixed=mixed, itemsize=full.itemsize)
     per = zero_memory(1, 1, zero=1, mixed=mixed, itemsize=full.itemsize).optimizer  # bytes per element
-    whole = sum(numel(name) for name, kept in pieces.items() if kept is None)
+    whole = sum(numel(name) for name in names if pieces.get(name) is None)
     kept = sum(k for k in pieces.values() if k is not None)
     # a piece holds its share of the moments (and of the fp32 master, if separate); a whole tensor
     # holds all of them, and always a full-precision master copy of its own
@@ -234,11 +254,14 @@ def model_state(compiled: Compiled, names=None) -> Memory:
 def fsdp_whole(compiled: Compiled) -> set[str]:
     """The parameters FSDP2 leaves whole under ZeRO-2/3: 1-D ones split in groups over tensor
     parallelism (a fused projection's bias: FSDP cannot nest its shard in that layout), and those
-    two pipeline stages hold (a tied embedding and head: each stage would shard its own)."""
+    two pipeline stages hold (a tied embedding and head: each stage would shard its own), and those no
+    data axis it is replicated on remains for (an expert weight on a mesh whose only data axis is ep)."""
     out = {
         name for name, layout in compiled.param_layouts.items()
         if len(compiled.traced.params[name].shape) == 1 and any(getattr(p, "groups", 1) > 1 for p in layout)
     }  # fmt: skip
+    if compiled.data_axes:
+        out |= {name for name in compiled.param_layouts if not shard_axes(compiled, name)}
     stages = compiled.stages if compiled.pipelined else None
     if stages is not None and stages.params:
         count: dict[str, int] = {}
@@ -278,21 +301,21 @@ def deferred_loss(compiled: Compiled):
 
 def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
     """Under ZeRO-1, the elements of each parameter's largest piece (rank 0's), or None where
-    every rank keeps it whole (`placements.zero1_split`). Empty unless zero=1 over >1 ranks."""
-    opts = compiled.options
-    n = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes)
-    if opts.zero != 1 or n <= 1:
+    every rank keeps it whole (`placements.zero1_split`), over its `shard_ranks` (an expert weight's
+    over the data ranks besides ep). Empty unless zero=1 over >1 ranks."""
+    if compiled.options.zero != 1 or not compiled.data_axes:
         return {}
     out = {}
     for name in compiled.traced.params:
-        layout = compiled.param_layouts[name]
+        n, layout = shard_ranks(compiled, name), compiled.param_layouts[name]
         ragged = ragged_dims(tuple(compiled.traced.params[name].shape), layout, compiled.axes.sizes)
-        split = zero1_split(compiled.local_param_shape(name), n, layout, ragged)
+        split = zero1_split(compiled.local_param_shape(name), n, layout, ragged, len(shard_axes(compiled, name)))
         out[name] = None if split is None else split[0]
     return out
 
 
 __all__ = [
-    "Compiled", "EagerStages", "OneGraph", "Program", "TracedStages", "check_zero", "data_axes", "default_in_spec",
-    "deferred_loss", "fsdp_whole", "input_layouts", "model_state", "persistent_buffers", "zero1_pieces",
+    "Compiled", "EagerStages", "OneGraph", "Program", "TracedStages", "buffer_dtype", "check_zero", "data_axes",
+    "default_in_spec", "deferred_loss", "fsdp_whole", "input_layouts", "model_state", "persistent_buffers",
+    "shard_axes", "shard_ranks", "zero1_pieces",
 ]  # fmt: skip

@@ -20,7 +20,7 @@ Capacity mode (`capacity_factor=c`): each expert takes at most C = ceil(c * T * 
 source rank: the first C this rank routes to it, in (token, slot) order (`routing.capacity_dropped`
 says which are dropped; they add zero). The capacity is per source rank, so every rank decides alone,
 every buffer has a fixed size (E * C rows), the exchanges are plain `lax.all_to_all`s, and nothing is
-read to the host.
+read to the host. The dropped pairs are added up on the device in `routing.DROPPED`, read when reported.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .. import lax
 from ..spmd.records import Expected
 from ..spmd.vma import vma
 from .grouped import expert_mlp
-from .routing import capacity, expert_counts, positions, read_counts
+from .routing import DROPPED, capacity, expert_counts, positions, read_counts
 
 __all__ = ["experts_ep"]
 
@@ -106,6 +106,7 @@ def _capped(pairs, flat, gate_up, down, axis, n: int, cap: int) -> torch.Tensor:
     local, hidden = gate_up.shape[0], pairs.shape[1]
     experts = n * local
     place = positions(flat, experts)
+    DROPPED.note((place >= cap).sum())
     slot = torch.where(place < cap, flat * cap + place, experts * cap)  # dropped: a spare last row
     buf = pairs.new_zeros((experts * cap + 1, hidden)).index_copy(0, slot, pairs)[:-1]
     rows = buf if axis is None else lax.all_to_all(buf, axis, 0, 0, tiled=True)  # [source][local expert][slot]

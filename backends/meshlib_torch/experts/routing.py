@@ -20,8 +20,8 @@ from ..spmd.records import Call
 from ..spmd.region import current, user_line
 
 __all__ = [
-    "SYNCS", "SyncCounter", "capacity", "capacity_dropped", "expert_counts", "positions", "read_counts",
-    "tokens_per_expert",
+    "DROPPED", "DropCounter", "SYNCS", "SyncCounter", "capacity", "capacity_dropped", "expert_counts", "positions",
+    "read_counts", "tokens_per_expert",
 ]  # fmt: skip
 
 
@@ -44,6 +44,33 @@ class SyncCounter:
 
 
 SYNCS = SyncCounter()
+
+
+class DropCounter:
+    """The (token, expert) pairs capacity mode dropped on this rank since `take()`: a device tensor the layers
+    add to as they run (no host read); a block recompute replays does not count again, and a dry run's
+    meta tensors are not counted."""
+
+    def __init__(self):
+        self.total: torch.Tensor | None = None
+
+    def note(self, dropped: torch.Tensor) -> None:
+        from ..modules.recompute import replaying
+        from ..torch_private import is_fake
+
+        if dropped.is_meta or is_fake(dropped) or replaying():
+            return
+        d = dropped.detach().to(torch.int64)
+        self.total = d if self.total is None else self.total + d
+
+    def take(self) -> torch.Tensor:
+        """The count so far (0 if none), and start again."""
+        out = torch.zeros((), dtype=torch.int64) if self.total is None else self.total
+        self.total = None
+        return out
+
+
+DROPPED = DropCounter()
 
 
 def read_counts(*counts: torch.Tensor) -> list[list[int]] | None:

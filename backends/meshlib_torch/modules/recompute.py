@@ -62,6 +62,11 @@ class _State(threading.local):
 _STATE = _State()
 
 
+def replaying() -> bool:
+    """Whether recompute is replaying a checkpointed block's forward now (a statistic counts once)."""
+    return _STATE.replay
+
+
 def write_buffer(method: str, buffer: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """`buffer.<method>(*args)`, a buffer write in the forward (a router's token count), skipped while
     recompute replays the forward: the write happens once per forward, as without recompute."""

@@ -124,13 +124,31 @@ class RegionModule(nn.Module):
     def __init__(self, *, fn, template: tuple, deferred: tuple, backend, **_):
         super().__init__()
         self.fn, self.template, self.deferred, self.backend = fn, template, frozenset(deferred), backend
+        self.owned: list[tuple[int, str, tuple, dict]] = []  # weights it holds itself (`hold`), by argument
+        self.weights = nn.Module()
+
+    def hold(self, position: int, name: str, param: nn.Parameter, local_args: tuple = (), local_kwargs=None) -> None:
+        """Hold `param` (the model's `name`) as this module's own, and read it as the region's tensor argument
+        at `position` (of those the graph gave: it no longer does), through `to_local` with these arguments
+        when it is a DTensor. FSDP2 then shards it with this module as its unit: the region is where it is used
+        (an expert weight, sharded over fewer data axes than its layer's)."""
+        from ..compiler.attrs import set_attr
+
+        set_attr(self.weights, name, param)
+        self.owned = sorted([*self.owned, (position, name, tuple(local_args), dict(local_kwargs or {}))])
 
     def forward(self, *tensors: torch.Tensor):
+        from ..compiler.attrs import resolve
         from ..compiler.placement.rank_ops import TENSOR
         from ..spmd.region import Region
         from ..spmd.run import run_region
         from ..spmd.vma import VmaMode
 
+        if self.owned:
+            tensors = list(tensors)
+            for position, name, args, kwargs in self.owned:  # in order of position: each lands where it was
+                t = resolve(self.weights, name)
+                tensors.insert(position, t.to_local(*args, **kwargs) if hasattr(t, "to_local") else t)
         fn, given = self.fn, iter(tensors)
         region = Region(fn.mesh, self.backend, check_vma=fn.check_vma, deferred=self.deferred)
         region.mode = VmaMode(region) if fn.check_vma else None

@@ -33,13 +33,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshlib import Mesh
 
-from ..torch_private import flatten_mesh, group_options, world_timeout
+from ..torch_private import flatten_mesh, forget_mesh_specs, group_options, world_timeout
 
 __all__ = ["device_type", "backend", "init", "device_mesh", "group", "shutdown", "start"]
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _MESHES: dict[tuple[Mesh, float | None], DeviceMesh] = {}
 _TIMEOUTS: dict[int, timedelta] = {}  # id(DeviceMesh) -> the timeout of its groups
+_LAST: dict[Mesh, DeviceMesh] = {}  # the DeviceMesh last handed out for each mesh
 _GROUPS: dict[tuple[int, tuple[str, ...]], tuple[DeviceMesh, c10d.ProcessGroup]] = {}  # pins the mesh: ids stay unique
 
 
@@ -106,7 +107,11 @@ def device_mesh(mesh: Mesh, *, timeout: float | None = None) -> DeviceMesh:
         for name, pg in zip(mesh.axis_names, dm.get_all_groups(), strict=True):
             _check_order(dm, (name,), pg)
         _MESHES[key] = dm
-    return _MESHES[key]
+    dm = _MESHES[key]
+    if _LAST.setdefault(mesh, dm) is not dm:  # an equal mesh with another timeout in use: see forget_mesh_specs
+        _LAST[mesh] = dm
+        forget_mesh_specs()
+    return dm
 
 
 def group(dm: DeviceMesh, axes: str | tuple[str, ...]) -> c10d.ProcessGroup:
@@ -143,6 +148,7 @@ def shutdown() -> None:
     """Leave the world process group (if joined) and forget every cached mesh and group."""
     _MESHES.clear()
     _TIMEOUTS.clear()
+    _LAST.clear()
     _GROUPS.clear()
     if c10d.is_initialized():
         c10d.destroy_process_group()

@@ -45,6 +45,8 @@ class SafetensorsWeights:
         self.files = _files(path)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.where: dict[str, str] = {}
+        self.stacks: dict = {}  # a parameter stacked from per-expert tensors -> its `stacked.Stack`
+        self.read_keys: set[str] = set()  # every key read so far
         for file in sorted(set(self.files.values())) if self.files else []:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for key in f.keys():
@@ -53,7 +55,10 @@ class SafetensorsWeights:
 
     def read(self, key: str, index: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The elements at the product of `index` (per dim, sorted global indices), in `dtype`: one
-        read per block of contiguous runs, never the whole tensor."""
+        read per block of contiguous runs, never the whole tensor (of a stack, only its experts in `index`)."""
+        if key in self.stacks:
+            return self.stacks[key].read(self.read, index, dtype)
+        self.read_keys.add(key)
         runs = [_runs(ix.tolist()) for ix in index]
         out = torch.empty(tuple(len(ix) for ix in index), dtype=dtype)
         with self._open(self.where[key], framework="pt", device="cpu") as f:
@@ -65,8 +70,26 @@ class SafetensorsWeights:
         return out
 
     def whole(self, key: str) -> torch.Tensor:
+        if key in self.stacks:
+            return self.read(key, [torch.arange(n) for n in self.shapes[key]], self._dtype(key))
+        self.read_keys.add(key)
         with self._open(self.where[key], framework="pt", device="cpu") as f:
             return f.get_tensor(key)
+
+
+    def _dtype(self, key: str) -> torch.dtype:
+        """A stack's dtype: its first piece's, from the file's header."""
+        first = self.stacks[key].parts[0][0]
+        with self._open(self.where[first], framework="pt", device="cpu") as f:
+            code = f.get_slice(first).get_dtype()
+        return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[code]
+
+    def add_stacks(self, stacks: dict) -> None:
+        """Serve each parameter of `stacks` (name -> `stacked.Stack`) as a key of its stacked shape."""
+        for name, stack in stacks.items():
+            self.stacks[name] = stack
+            first = self.shapes[stack.parts[0][0]]
+            self.shapes[name] = (len(stack.parts[0]), sum(stack.rows), first[1])
 
 
 class DCPWeights:
@@ -151,9 +174,13 @@ def match(weights, model, params: dict, buffers: dict, aliases: dict) -> tuple[d
     names_of: dict[str, list[str]] = {}
     for alias, canon in aliases.items():
         names_of.setdefault(canon, []).append(alias)
+    from .stacked import expert_stacks, file_names, renames
+
+    renamings = renames(model)  # a module path the checkpoint names otherwise (transformers' mapping)
+    also = lambda names: [f for n in names for f in file_names(n, renamings)]  # noqa: E731
     found, found_buffers, missing, wrong, seen = {}, {}, [], [], set()
     for name, p in params.items():
-        key = _find(names_of.get(name, [name]), keys, strip, prefix)
+        key = _find(also(names_of.get(name, [name])), keys, strip, prefix)
         seen.add(key)
         if key is None:
             missing.append(name)
@@ -161,12 +188,21 @@ def match(weights, model, params: dict, buffers: dict, aliases: dict) -> tuple[d
             wrong.append(f"{key} is {weights.shapes[key]}, the model's {name} {tuple(p.shape)}")
         else:
             found[name] = key
+    if missing and weights.kind == "safetensors":  # experts saved one tensor per expert (transformers' own format)
+        stacks = expert_stacks(
+            model, {n: tuple(params[n].shape) for n in missing}, weights.shapes,
+            lambda names: _find(names, keys, strip, prefix),
+        )  # fmt: skip
+        weights.add_stacks(stacks)
+        seen |= {k for stack in stacks.values() for part in stack.parts for k in part}
+        found |= {n: n for n in stacks}
+        missing = [n for n in missing if n not in stacks]
     for name, b in buffers.items():
-        key = _find([name], keys, strip, prefix)
+        key = _find(also([name]), keys, strip, prefix)
         if key is not None and weights.shapes[key] == tuple(b.shape):
             found_buffers[name] = key
     for name, _ in model.named_buffers(remove_duplicate=False):  # saved buffers the program does not read
-        seen.add(_find([name], keys, strip, prefix))
+        seen.add(_find(also([name]), keys, strip, prefix))
     ignore = [re.compile(r) for r in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     unexpected = sorted(k for k in keys - seen if not any(r.search(k) for r in ignore))
     if missing or unexpected or wrong:

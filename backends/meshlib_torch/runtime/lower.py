@@ -24,7 +24,7 @@ from ..compiler.attrs import has_attr, resolve, set_attr
 from ..compiler.capture.blocks import split_graph
 from ..compiler.capture.regions import apply_regions
 from ..compiler.placement.placements import Pending
-from ..compiler.program import EagerStages, TracedStages, deferred_loss
+from ..compiler.program import EagerStages, TracedStages, buffer_dtype, deferred_loss
 from ..torch_private import copy_codegen, own_buffers, own_parameters
 from . import dist as mdist
 from . import weights
@@ -67,7 +67,7 @@ def lower(compiled, dm, model: nn.Module, source: weights.Source) -> Lowered:
     root = _take(compiled, model, mine, shard, device, source)
     buffers = {}
     for name, b in real.items():
-        buffers[name] = b.to(device, dtype=compute if b.is_floating_point() else b.dtype)
+        buffers[name] = b.to(device, dtype=buffer_dtype(compiled, name, b))
         set_attr(root, name, buffers[name])
     orders = {n: compiled.param_rank_order(n) for n in mine}
     source.finish({n: p for n, p in root.named_parameters()}, buffers, {n: o for n, o in orders.items() if o})
@@ -132,14 +132,15 @@ def _lower_eager(compiled, model, names, local, source: weights.Source, *, devic
     buffers = {path: real[n] for path, n in paths.items() if n in real}  # every name of a shared buffer
     params = dict(root.named_parameters())
     aliases = compiled.traced.aliases
-    modules = [_fill(compiled.stages.modules[s], params, buffers, aliases, device, compute) for s in local]
+    kept = compiled.full_buffers
+    modules = [_fill(compiled.stages.modules[s], params, buffers, aliases, device, compute, kept) for s in local]
     # the stages hang under the root after its own FQN-named parameters: a cast or an update of the
     # root's reaches them, and the root's names come first for a parameter both hold
     root.add_module("pipeline_stages", nn.ModuleList(modules))
     return Lowered(root, modules, local, device)
 
 
-def _fill(stage: nn.Module, params: dict, buffers: dict, aliases: dict, device, compute) -> nn.Module:
+def _fill(stage: nn.Module, params: dict, buffers: dict, aliases: dict, device, compute, kept) -> nn.Module:
     """Put the real parameters (by canonical FQN) and buffers into a stage's meta copy of the model."""
     for prefix, mod in stage.named_modules(remove_duplicate=False):
         for name, p in list(own_parameters(mod).items()):
@@ -150,7 +151,8 @@ def _fill(stage: nn.Module, params: dict, buffers: dict, aliases: dict, device, 
             path = f"{prefix}.{name}" if prefix else name
             if b is not None and path in buffers:
                 real = buffers[path]
-                own_buffers(mod)[name] = real.to(device, dtype=compute if real.is_floating_point() else real.dtype)
+                own_buffers(mod)[name] = real.to(device, dtype=compute if real.is_floating_point() and path not in kept
+                                                 else real.dtype)  # fmt: skip
     return stage
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,24 +47,23 @@ class MeshOptimizer(torch.optim.Optimizer):
         *,
         zero: int = 0,
         master: bool = False,
-        dp_group=None,
-        dp_axis: str = "dp",
-        dp_index: int = 0,
-        dp_size: int = 1,
+        groups: dict[str, DataGroup | None] | None = None,
         layouts: dict | None = None,
         mesh_axes=None,
         fp32_init: dict | None = None,
+        reduce_dtype: torch.dtype | None = None,
         counter: CommCounter = COUNTER,
         **options,
     ):
         self.params, self.zero, self.counter = params, zero, counter
+        self.reduce_dtype = reduce_dtype  # ZeRO-1's gradient sums run in it (None: the master's dtype)
         fp32_init = fp32_init or {}
-        self.dp_group, self.dp_axis, self.dp_index, self.dp_size = dp_group, dp_axis, dp_index, dp_size
+        self.groups = {name: (groups or {}).get(name) for name in params}  # ZeRO-1's, per parameter
         self.master: dict[str, torch.Tensor] = {}
         self.shard_dim: dict[str, int | None] = {}
         for name, p in params.items():
             start = fp32_init.get(name, p.data)  # the fp32 values a bf16/fp16 parameter was rounded from
-            if zero == 1 and dp_size > 1:
+            if zero == 1 and self._spread(name):
                 self.master[name] = self._sharded_master(name, p, start, layouts[name], mesh_axes, name in fp32_init)
             elif name in fp32_init or (master and zero < 2):
                 self.master[name] = _fp32_copy(start)  # (under ZeRO-2/3: a parameter FSDP2 leaves whole)
@@ -78,22 +78,26 @@ class MeshOptimizer(torch.optim.Optimizer):
         self.param_groups, self.state = self.inner.param_groups, self.inner.state  # one set: schedulers see it
         self.scaler: LossScaler | None = None
 
+    def _spread(self, name: str) -> bool:
+        """Whether ZeRO-1 spreads this parameter's state over more than one rank."""
+        g = self.groups[name]
+        return g is not None and g.size > 1
+
     # -- masters ---------------------------------------------------------------------------------
     def _sharded_master(
         self, name: str, p: torch.nn.Parameter, start, layout, mesh_axes, separate: bool
     ) -> torch.Tensor:
-        local = local_tensor(start)
-        d = pl.zero1_shard_dim(
-            tuple(local.shape), self.dp_size, layout, ragged_dims(tuple(p.shape), layout, mesh_axes.sizes)
-        )
+        local, g = local_tensor(start), self.groups[name]
+        ragged = ragged_dims(tuple(p.shape), layout, mesh_axes.sizes)
+        d = pl.zero1_shard_dim(tuple(local.shape), g.size, layout, ragged, len(g.axes))
         self.shard_dim[name] = d
         if d is None:  # a scalar, or every dim already split by another axis: every rank keeps the whole
             return _fp32_copy(start)
-        piece = local.narrow(d, *pl.chunk_rows(local.shape[d], self.dp_size, self.dp_index)).detach()
+        piece = local.narrow(d, *pl.chunk_rows(local.shape[d], g.size, g.index)).detach()
         if separate or piece.dtype != _master_dtype(local):
             piece = piece.to(_master_dtype(local)).clone()  # a separate fp32 master (bf16/fp16 parameters)
         # else: a full-precision parameter is its own master: the shard is a view into it
-        placements = _master_layout(layout, mesh_axes, self.dp_axis, d, tuple(local.shape))
+        placements = _master_layout(layout, mesh_axes, g.axes, d)
         global_shape = tuple(p.shape)
         dt = DTensor.from_local(
             piece, p.device_mesh, torch_placements(placements), shape=global_shape, stride=p.stride()
@@ -120,11 +124,11 @@ class MeshOptimizer(torch.optim.Optimizer):
                 continue
             if self.zero == 1 and self.shard_dim.get(name) is not None:
                 m.grad = _as_like(m, self._reduce_scatter(name, p))
-            elif self.zero == 1 and self.dp_size > 1:  # kept whole (see `zero1_shard_dim`): sum it
-                g = local_tensor(p.grad).to(m.dtype).contiguous()
-                dist.all_reduce(g, group=self.dp_group)
-                self.counter.record("backward", "all_reduce", self.dp_axis, g.numel() * g.element_size(), "zero-1")
-                m.grad = _as_like(m, g)
+            elif self.zero == 1 and self._spread(name):  # kept whole (see `zero1_shard_dim`): sum it
+                g, group = local_tensor(p.grad).to(self.reduce_dtype or m.dtype).contiguous(), self.groups[name]
+                dist.all_reduce(g, group=group.group)
+                self.counter.record("backward", "all_reduce", group.axis, g.numel() * g.element_size(), "zero-1")
+                m.grad = _as_like(m, g.to(m.dtype))
             else:
                 m.grad = _as_like(m, local_tensor(p.grad).to(m.dtype))
         grads = [t.grad for g in self.inner.param_groups for t in g["params"] if t.grad is not None]
@@ -144,20 +148,21 @@ class MeshOptimizer(torch.optim.Optimizer):
     def _reduce_scatter(self, name: str, p) -> torch.Tensor:
         """This rank's piece of the summed gradient. An uneven dim is padded to equal pieces for
         the collective (that padding moves too, and is counted), and the piece cut back."""
-        g = local_tensor(p.grad).to(self.master[name].dtype)
+        master, group = self.master[name].dtype, self.groups[name]
+        g = local_tensor(p.grad).to(self.reduce_dtype or master)
         d = self.shard_dim[name]
         size = g.shape[d]
-        g = pad_to(g, d, padded(size, self.dp_size))
-        out = reduce_scatter(g, pl.Shard(d), self.dp_group, self.dp_size)
-        self.counter.record("backward", "reduce_scatter", self.dp_axis, g.numel() * g.element_size(), "zero-1")
-        return out.narrow(d, 0, pl.chunk_rows(size, self.dp_size, self.dp_index)[1])
+        g = pad_to(g, d, padded(size, group.size))
+        out = reduce_scatter(g, pl.Shard(d), group.group, group.size)
+        self.counter.record("backward", "reduce_scatter", group.axis, g.numel() * g.element_size(), "zero-1")
+        return out.narrow(d, 0, pl.chunk_rows(size, group.size, group.index)[1]).to(master)
 
     def _all_gather_into(self, name: str, m, p) -> None:
-        d = self.shard_dim[name]
+        d, group = self.shard_dim[name], self.groups[name]
         target = local_tensor(p.data)
-        piece = pad_to(local_tensor(m.data).to(p.dtype), d, -(-target.shape[d] // self.dp_size))
-        full = all_gather(piece, pl.Shard(d), self.dp_group, self.dp_size)
-        self.counter.record("optimizer", "all_gather", self.dp_axis, full.numel() * full.element_size(), "zero-1")
+        piece = pad_to(local_tensor(m.data).to(p.dtype), d, -(-target.shape[d] // group.size))
+        full = all_gather(piece, pl.Shard(d), group.group, group.size)
+        self.counter.record("optimizer", "all_gather", group.axis, full.numel() * full.element_size(), "zero-1")
         target.copy_(full.narrow(d, 0, target.shape[d]))
 
     # -- state ------------------------------------------------------------------------------------------
@@ -237,22 +242,40 @@ def _fp32_copy(p: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(p.detach().to(_master_dtype(p)).clone())
 
 
-def _master_layout(layout, mesh_axes, dp_axis: str, local_dim: int, local_shape) -> tuple:
-    """The parameter's layout with the data-parallel axis splitting `local_dim` of the local shard.
+def _master_layout(layout, mesh_axes, data: tuple[str, ...], local_dim: int) -> tuple:
+    """The parameter's layout with its data-parallel axes (`data`, in mesh order) splitting `local_dim` of
+    the local shard, the first outermost.
 
     If other axes already split that dim, the data-parallel split is within
-    their blocks: a strided shard whose groups are those blocks.
+    their blocks: a strided shard whose groups are those blocks (over one data
+    axis: `zero1_shard_dim` takes no such dim for several).
     """
     names = list(mesh_axes.names)
-    i = names.index(dp_axis)
-    groups = math.prod(
-        n
-        for j, (p, n) in enumerate(zip(layout, mesh_axes.sizes))
-        if j > i and isinstance(p, pl.Shard) and p.dim == local_dim
-    )
     out = list(layout)
-    out[i] = pl.Shard(local_dim, groups)
+    for axis in data:
+        i = names.index(axis)
+        groups = math.prod(
+            n
+            for j, (p, n) in enumerate(zip(layout, mesh_axes.sizes))
+            if j > i and names[j] not in data and isinstance(p, pl.Shard) and p.dim == local_dim
+        )
+        out[i] = pl.Shard(local_dim, groups)
     return tuple(out)
+
+
+class DataGroup(NamedTuple):
+    """The data-parallel ranks ZeRO-1 spreads one parameter's state over: their process group, the names
+    of their mesh axes, this rank's index among them and their number."""
+
+    group: object
+    axes: tuple[str, ...]
+    index: int
+    size: int
+
+    @property
+    def axis(self) -> str:
+        """The axes as one name, as the counter and the plan write them (`dp_ep`)."""
+        return "_".join(self.axes)
 
 
 class LossScaler:

@@ -21,11 +21,12 @@ from torch import nn
 
 from ..compiler.capture.call import batch_call
 from ..compiler.placement import placements as pl
+from ..compiler.program import shard_axes
 from ..torch_private import local_tensor
 from . import dist as mdist
 from .comm import local_slice
 from .dtensor import gather_whole
-from .optim import LossScaler, MeshOptimizer
+from .optim import DataGroup, LossScaler, MeshOptimizer
 from .parallelisms.zero import set_sync
 
 
@@ -193,34 +194,44 @@ class Parallel(nn.Module):
         over this rank's parameters, for the zero level and precision: fp32 masters for bf16/fp16
         parameters, and under ZeRO-1 its state sharded over the data axes."""
         c = self.compiled
-        data = c.data_axes
-        group = mdist.group(self.device_mesh, data) if data else None
-        dp_size = math.prod(c.mesh.axis_size(a) for a in data) if data else 1
-        dp_index = c.mesh.axis_coord(dist.get_rank(), data) if data else 0
+        params = self.named_model_parameters()
         opt = MeshOptimizer(
-            self.named_model_parameters(), optimizer, zero=self.zero, master=bool(self.fp32_init), dp_group=group,
-            dp_axis="_".join(data) or "dp", dp_index=dp_index, dp_size=dp_size, layouts=c.param_layouts,
-            mesh_axes=c.axes, fp32_init=self.fp32_init, **options,
+            params, optimizer, zero=self.zero, master=bool(self.fp32_init), groups=self.data_groups(params),
+            layouts=c.param_layouts, mesh_axes=c.axes, fp32_init=self.fp32_init,
+            reduce_dtype=getattr(torch, c.options.precision.reduce), **options,
         )  # fmt: skip
         self.fp32_init = {}  # the optimizer owns the masters now
         if c.plan.precision.param == "float16":
             opt.scaler = LossScaler()
         return opt
 
+    def data_groups(self, params) -> dict[str, DataGroup | None]:
+        """Per parameter, the data-parallel ranks its gradient is summed over and ZeRO shards its state over
+        (`shard_axes`: every data axis, but `ep` for an expert weight), as a `DataGroup`; None: none."""
+        c, rank, made = self.compiled, dist.get_rank(), {}
+        out = {}
+        for name in params:
+            axes = shard_axes(c, name)
+            if axes and axes not in made:
+                size = math.prod(c.mesh.axis_size(a) for a in axes)
+                made[axes] = DataGroup(mdist.group(self.device_mesh, axes), axes, c.mesh.axis_coord(rank, axes), size)
+            out[name] = made.get(axes)
+        return out
+
     def grad_norm(self) -> float:
         """The global gradient norm: over data and tensor axes by DTensor, over stages by an all-reduce
         (a parameter two stages share counts once). ZeRO-1's gradients are summed over the data axes
         only in its step, so they are summed here first."""
-        data = self.compiled.data_axes if self.zero == 1 else ()
-        group = mdist.group(self.device_mesh, data) if data else None
+        params = self.named_model_parameters()
+        groups = self.data_groups(params) if self.zero == 1 else {}
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.named_model_parameters().items():
+        for name, p in params.items():
             if p.grad is None or (self.pipeline is not None and not self.pipeline.owns(name)):
                 continue
             g = p.grad.to(torch.float64)
-            if group is not None:
+            if groups.get(name) is not None:
                 local = local_tensor(g).clone()
-                dist.all_reduce(local, group=group)
+                dist.all_reduce(local, group=groups[name].group)
                 g = type(g).from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
             norm = torch.linalg.vector_norm(g)
             total += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2

@@ -10,6 +10,7 @@ checks them within the dtype's tolerance: fp64 rtol/atol 1e-12; fp32 rtol
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,7 @@ class RunConfig:
     replicate_axes: tuple = _PAR.replicate_axes
     idle_axes: tuple = _PAR.idle_axes
     uneven: str = _PAR.uneven
+    capacity_factor: float | None = _PAR.capacity_factor
     offload: bool = _RUN.offload
     microbatches: int = _PIPE.microbatches
     schedule: str = _PIPE.schedule
@@ -89,6 +91,7 @@ class RunResult:
     plan: object = None
     comm: dict | None = None
     routing: list = field(default_factory=list)  # `Routing.statistics()` of the last step (MoE models)
+    dropped: int | None = None  # pairs capacity mode dropped in the last step, over every rank (None: dropless)
 
 
 def _init(cfg, run: RunConfig | None = None):
@@ -112,11 +115,20 @@ def train_reference(run: RunConfig) -> RunResult:
 
     With a lower compute precision it keeps fp32 masters (as the parallel
     run's optimizer does): the bf16/fp16 model runs forward and backward, its
-    gradients update the masters, the masters are rounded back into it.
+    gradients update the masters, the masters are rounded back into it. In capacity mode its experts drop
+    what the ranks' calls drop (`testing.capacity`).
     """
     cfg = models.config(run.model, **run.overrides)
     compute = run.compute_dtype
     model = _build(run, cfg, device="cpu", dtype=compute)
+    if run.capacity_factor is not None:
+        from ..compiler.program import default_in_spec
+        from .capacity import drop_as_ranks
+
+        mesh = Mesh.parse(run.mesh)
+        batch_axes = [a for e in default_in_spec(mesh) for a in ((e,) if isinstance(e, str) else e or ())]
+        ranks = math.prod(mesh.axis_size(a) for a in batch_axes)
+        drop_as_ranks(model, ranks * run.microbatches, run.capacity_factor)
     init = _init(cfg, run)
     if run.weights:
         start = _build(run, cfg, device="cpu", dtype=run.torch_dtype)
@@ -148,6 +160,7 @@ def train_reference(run: RunConfig) -> RunResult:
             t.grad = g
         if scaler is None or scaler.unscale_and_check([t.grad for t in (targets if mixed else model.parameters())]):
             opt.step()
+            models.update_balancing_bias(model)  # DeepSeek-V3's balancing, as the runtime moves it after an update
         opt.zero_grad()
         model.zero_grad()
         if mixed:
@@ -191,7 +204,8 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
     everyone = [None] * torch.distributed.get_world_size()  # a pipeline rank holds its stages' routers
     torch.distributed.all_gather_object(everyone, routing)
     routing = sorted({name: (name, c, r) for part in everyone for name, c, r in part}.values())
-    return RunResult(losses, norms, params, par.plan, comm, routing)
+    dropped = par.routing.dropped() if par.routing is not None else None
+    return RunResult(losses, norms, params, par.plan, comm, routing, dropped)
 
 
 def build_parallel(run: RunConfig):
@@ -205,7 +219,7 @@ def build_parallel(run: RunConfig):
         sequence_parallel=run.sequence_parallel, zero=run.zero,
         precision=Precision.parse(run.precision) if run.precision else None, recompute=run.recompute,
         replicate_axes=run.replicate_axes, idle_axes=run.idle_axes, uneven=run.uneven, offload=run.offload,
-        microbatches=run.microbatches, schedule=run.schedule,
+        microbatches=run.microbatches, schedule=run.schedule, capacity_factor=run.capacity_factor,
         chunks=run.chunks, balance=run.balance, split_points=list(run.split_points) if run.split_points else None,
     )  # fmt: skip
 

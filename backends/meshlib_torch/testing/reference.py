@@ -96,17 +96,17 @@ class _Recording:
 
     def step(self):
         if self.grads is None:
-            self.grads = {
-                n: _whole(self.whole, n, self._summed(p.grad)) for n, p in self.params().items() if p.grad is not None
-            }
+            held = {n: p.grad for n, p in self.params().items() if p.grad is not None}
+            self.grads = {n: _whole(self.whole, n, self._summed(n, g)) for n, g in held.items()}
         return self.opt.step()
 
-    def _summed(self, grad: torch.Tensor) -> torch.Tensor:
-        """ZeRO-1 sums the gradients over the data axes inside its step: sum a copy here."""
-        if self.opt.zero != 1 or self.opt.dp_group is None:
+    def _summed(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """ZeRO-1 sums the gradients over their data axes inside its step: sum a copy here."""
+        group = self.opt.groups.get(name)
+        if self.opt.zero != 1 or group is None:
             return grad
         local = local_tensor(grad).clone()
-        torch.distributed.all_reduce(local, group=self.opt.dp_group)
+        torch.distributed.all_reduce(local, group=group.group)
         return DTensor.from_local(local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride())
 
 

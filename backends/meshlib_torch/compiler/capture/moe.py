@@ -151,6 +151,23 @@ def _region_forward(mod: nn.Module, mapped):
 
 
 
+def full_buffers(model: nn.Module) -> frozenset[str]:
+    """The floating buffers that stay in their own (full) precision when the model computes in bf16 or fp16:
+    the routers' token counts and balancing biases (`balancing_routers`: a count past 256 is not a bf16
+    integer, and the bias moves by steps of 1e-3), and those a transformers model keeps in fp32
+    (`_keep_in_fp32_modules` and `_keep_in_fp32_modules_strict`, as transformers matches them: a pattern
+    equal to the name or one of its dotted parts; DeepSeek-V3's `e_score_correction_bias`)."""
+    names = {n for n, b in model.named_buffers() if b.is_floating_point()}
+    out = {name for counts, bias, _ in balancing_routers(model) for name in (counts, bias) if name in names}
+    patterns = [*(getattr(model, "_keep_in_fp32_modules", None) or ()),
+                *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())]  # fmt: skip
+    for name in names:
+        parts = name.split(".")
+        if any(p in parts or p == name or name.endswith("." + p) for p in patterns):
+            out.add(name)
+    return frozenset(out)
+
+
 def balancing_routers(model: nn.Module) -> tuple[tuple[str, str, float], ...]:
     """`(counts buffer, bias buffer or "", rate)` of each router that counts its tokens per expert (a
     buffer `tokens_per_expert`: the runtime reports them); one that balances by a bias (DeepSeek-V3's
@@ -189,6 +206,5 @@ def expert_weight_specs(specs: dict[str, P], experts: dict[str, nn.Module], mesh
 
 __all__ = [
     "EXPERT_PARAMS", "balancing_routers", "check_moe", "expert_modules", "expert_spec", "expert_weight_specs",
-    "experts_as_regions",
-    "moe_blocks",
+    "experts_as_regions", "full_buffers", "moe_blocks",
 ]  # fmt: skip

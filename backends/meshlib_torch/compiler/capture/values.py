@@ -62,15 +62,17 @@ class _Dtypes(fx.Interpreter):
     """Runs the graph on meta tensors with floating parameters and buffers in `compute`, noting
     the dtype each value has when the model runs in that precision (`meta["run_dtype"]`)."""
 
-    def __init__(self, gm: fx.GraphModule, compute: torch.dtype):
+    def __init__(self, gm: fx.GraphModule, compute: torch.dtype, keep=frozenset()):
         super().__init__(gm)
-        self.compute, self.state = compute, {id(t) for t in [*gm.parameters(), *gm.buffers()]}
+        self.compute, self.keep = compute, keep
+        self.state = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
 
     def fetch_attr(self, target: str):
         attr = super().fetch_attr(target)
         if not torch.is_tensor(attr):
             return attr
-        dtype = self.compute if id(attr) in self.state and attr.is_floating_point() else attr.dtype
+        lowered = id(attr) in self.state and attr.is_floating_point() and target not in self.keep
+        dtype = self.compute if lowered else attr.dtype
         return torch.empty_like(attr, device="meta", dtype=dtype)
 
     def run_node(self, n: fx.Node):
@@ -82,14 +84,14 @@ class _Dtypes(fx.Interpreter):
         return out
 
 
-def annotate_run_dtypes(gm: fx.GraphModule, call: Call, compute: torch.dtype) -> None:
+def annotate_run_dtypes(gm: fx.GraphModule, call: Call, compute: torch.dtype, keep=frozenset()) -> None:
     """Each value's dtype when the parameters compute in `compute` (bf16, fp16): `meta["run_dtype"]`.
     What crosses a collective or a stage boundary moves in that dtype; a value the model casts
-    itself (a norm's fp32 statistics) keeps its own."""
+    itself (a norm's fp32 statistics) keeps its own, and so do the buffers named in `keep`."""
     params = [p for p in gm.parameters() if p.is_floating_point()]
     if not params or all(p.dtype == compute for p in params):
         return
-    _Dtypes(gm, compute).run(*(torch.empty_like(x, device="meta") for x in call.tensors.values()))
+    _Dtypes(gm, compute, keep).run(*(torch.empty_like(x, device="meta") for x in call.tensors.values()))
 
 
 def run_dtype(node: fx.Node) -> torch.dtype:

@@ -29,7 +29,7 @@ from ..capture.blocks import layer_paths, split_graph
 from ..pipeline.stages import boundary_values, rank_params
 from ..placement.placements import natural_grad
 from ..placement.shapes import local_shape
-from ..program import Compiled, model_state, zero1_pieces
+from ..program import Compiled, buffer_dtype, fsdp_whole, model_state, shard_ranks, zero1_pieces
 from .stepmem import step_extra
 
 
@@ -110,8 +110,7 @@ def dry_module(compiled: Compiled, graph: fx.Graph, every_param: bool = False) -
             set_attr(root, name, params[name])
     for name, b in compiled.buffers.items():
         if name in read:
-            dtype = compute if b.is_floating_point() else b.dtype
-            set_attr(root, name, torch.empty(tuple(b.shape), dtype=dtype, device="meta"))
+            set_attr(root, name, torch.empty(tuple(b.shape), dtype=buffer_dtype(compiled, name, b), device="meta"))
     for node in graph.nodes:
         if node.op == "call_module" and node.target in comms:
             root.add_module(node.target, DryComm(comms[node.target], compiled.axes.sizes, opts.recompute))
@@ -126,7 +125,6 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
     compute = getattr(torch, opts.precision.param)
     full = next(iter(compiled.traced.params.values())).dtype
     mixed = compute in (torch.bfloat16, torch.float16)
-    n_dp = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes) if compiled.data_axes else 1
     gm, params = dry_module(compiled, compiled.graph, every_param=True)
     layers = len(layer_paths(model))
     if opts.recompute != "none" or opts.zero >= 2:
@@ -134,7 +132,8 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
     if opts.recompute != "none":
         for i in range(layers):
             setattr(gm, f"layer_{i}", Recompute(getattr(gm, f"layer_{i}"), opts.recompute))
-    state = _model_state(compiled, params, full, compute, mixed, n_dp)
+    ranks = {name: shard_ranks(compiled, name) for name in params}  # an expert weight's: the data ranks besides ep
+    state = _model_state(compiled, params, full, mixed, ranks)
     tracker = PeakTracker()
     with tracker:
         tracker.baseline(state["tensors"] + [b for b in gm.buffers()])
@@ -142,7 +141,8 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
         hooks = []
         if opts.zero >= 2:  # the gathered copies: charged by the hooks while FSDP would hold them
             tracker.ignore(params.values())
-            hooks = _fsdp_hooks(gm, layers, tracker, opts.zero, n_dp, full.itemsize)
+            shards = {id(p): ranks[name] for name, p in params.items()}
+            hooks = _fsdp_hooks(gm, layers, tracker, opts.zero, shards, full.itemsize)
         local = [local_input(compiled, name, x) for name, x in zip(compiled.input_names, batch)]
         with keeping_shards():
             loss = gm(*local)
@@ -161,17 +161,19 @@ def local_input(compiled: Compiled, name: str, x: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=x.dtype, device="meta")
 
 
-def _model_state(compiled, params, full, compute, mixed, n_dp) -> dict:
+def _model_state(compiled, params, full, mixed, ranks: dict[str, int]) -> dict:
     """The tensors a rank holds between steps, as meta tensors: parameters (sharded under
-    ZeRO-3 and -2's rest), fp32 masters (mixed precision, sharded from ZeRO-1), two moments."""
+    ZeRO-3 and -2's rest, over each one's `ranks`), fp32 masters (mixed precision, sharded from ZeRO-1),
+    two moments."""
     zero = compiled.options.zero
     pieces = zero1_pieces(compiled)  # None: ZeRO-1 keeps it whole, with a full-precision master copy
+    whole = fsdp_whole(compiled) if zero >= 2 else set()
     out = []
     for name, p in params.items():
         numel = p.numel()
-        if zero >= 2:  # FSDP2: a full-precision shard is the parameter (and the master)
-            out.append(torch.empty(math.ceil(numel / n_dp), dtype=full, device="meta"))
-            moments = math.ceil(numel / n_dp)
+        if zero >= 2 and name not in whole:  # FSDP2: a full-precision shard is the parameter (and the master)
+            out.append(torch.empty(math.ceil(numel / ranks[name]), dtype=full, device="meta"))
+            moments = math.ceil(numel / ranks[name])
         else:
             out.append(p)
             moments = pieces.get(name, numel) or numel  # rank 0's piece under ZeRO-1
@@ -181,7 +183,9 @@ def _model_state(compiled, params, full, compute, mixed, n_dp) -> dict:
     return {"tensors": out}
 
 
-def _fsdp_hooks(gm: nn.Module, layers: int, tracker: PeakTracker, zero: int, n_dp: int, full_itemsize: int) -> list:
+def _fsdp_hooks(
+    gm: nn.Module, layers: int, tracker: PeakTracker, zero: int, shards: dict[int, int], full_itemsize: int
+) -> list:
     """Charge FSDP2's memory as it moves.
 
     A gather allocates the all-gather's flat output, copies it out into the
@@ -220,9 +224,10 @@ def _fsdp_hooks(gm: nn.Module, layers: int, tracker: PeakTracker, zero: int, n_d
         grads = [p for p in blocks[i].parameters() if p.grad is not None]
         flat = sum(p.numel() for p in grads) * full_itemsize
         tracker.account(flat)  # the reduce-scatter's flat input
+        kept = sum(math.ceil(p.numel() / shards.get(id(p), 1)) for p in grads) * full_itemsize
         for p in grads:
             p.grad = None
-        tracker.account(math.ceil(flat / n_dp) - flat)  # its output shard stays; the input is freed
+        tracker.account(kept - flat)  # its output shard stays (each over its own ranks); the input is freed
         release(i)
 
     def both(first: int, second: int) -> None:  # hooks must return None (a value replaces the args)

@@ -162,7 +162,8 @@ def dp_collectives(
         zero = 0 if name in whole else options.zero if level is None else level
         numel = math.prod(local)
         if zero == 1 and n_shard > 1:
-            split = zero1_split(local, n_shard, layouts[name], ragged_dims(tuple(p.shape), layouts[name], axes.sizes))
+            ragged = ragged_dims(tuple(p.shape), layouts[name], axes.sizes)
+            split = zero1_split(local, n_shard, layouts[name], ragged, len(shard))
             if split is None:
                 zero = 0  # kept whole: its gradient is all-reduced
             else:

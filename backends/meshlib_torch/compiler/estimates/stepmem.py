@@ -17,7 +17,7 @@ import math
 import torch
 
 from ...memtrack import PeakTracker
-from ..program import Compiled, zero1_pieces
+from ..program import Compiled, shard_ranks, zero1_pieces
 
 
 def step_extra(compiled: Compiled, names=None) -> int:
@@ -33,8 +33,7 @@ def step_extra(compiled: Compiled, names=None) -> int:
             continue
         local = math.prod(compiled.local_param_shape(name))
         if opts.zero >= 2:
-            n_dp = math.prod(compiled.mesh.axis_size(a) for a in compiled.data_axes) or 1
-            sizes.append(math.ceil(local / n_dp))
+            sizes.append(math.ceil(local / shard_ranks(compiled, name)))
             continue
         piece = pieces.get(name)
         size = local if piece is None else piece

@@ -263,6 +263,7 @@ def split_eager(
 
 def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, data, options, canon, aliases, stages):
     """The `Compiled` of an eager model: every parameter replicated, gradients summed over `data`."""
+    from ..capture.moe import full_buffers
     from ..capture.trace import Traced
     from ..estimates.records import with_data_parallel
     from ..program import Compiled, EagerStages, model_state, persistent_buffers
@@ -279,7 +280,7 @@ def _compiled(model, reason: Untraceable, mesh: Mesh, call: Call, in_layouts, da
         mesh=mesh, axes=axes, program=EagerStages(stages, None), traced=traced, comms=[], specials=[],
         param_specs=dict(plan.specs), param_layouts=layouts, input_layouts=in_layouts, input_names=call.names,
         plan=plan, options=options, buffers=dict(model.named_buffers()),
-        persistent=persistent_buffers(model), data_axes=data,
+        persistent=persistent_buffers(model), data_axes=data, full_buffers=full_buffers(model),
         synced_params=frozenset(synced),
     )  # fmt: skip
     return dataclasses.replace(compiled, plan=plan.replace(memory=model_state(compiled)))

@@ -170,18 +170,25 @@ class Pending(__import__("torch").nn.Module):
         )
 
 
-def zero1_shard_dim(local_shape: tuple[int, ...], n: int, layout, ragged=frozenset()) -> int | None:
+def zero1_shard_dim(local_shape: tuple[int, ...], n: int, layout, ragged=frozenset(), axes: int = 1) -> int | None:
     """The dim of a local shard ZeRO-1 splits over `n` data-parallel ranks.
 
     First choice: a dim that divides evenly, and not one some axis splits in groups (a fused
     projection, whose local rows are not contiguous). Else the longest dim no other axis splits,
     unevenly, in torch.chunk's sizes as DTensor's Shard and FSDP2 use (see `chunk_rows`). None
     (a scalar, or every dim already split by another axis): each rank keeps the whole tensor. A dim
-    another axis cuts unevenly (`ragged`) is never split again: DTensor cannot describe the nesting."""
+    another axis cuts unevenly (`ragged`) is never split again: DTensor cannot describe the nesting.
+    Over more than one data axis (`axes`, an expert-parallel plan's dense weights over dp×ep) only a dim
+    that divides evenly and that no other axis splits qualifies: there DTensor's nesting of the axes is
+    the flat split the collectives make; with none, each rank keeps the whole."""
     grouped = {p.dim for p in layout if isinstance(p, Shard) and not p.plain} | set(ragged)
+    if axes > 1:
+        grouped |= {p.dim for p in layout if isinstance(p, Shard)}
     fits = [d for d, size in enumerate(local_shape) if size % n == 0 and size >= n and d not in grouped]
     if fits:
         return fits[0]
+    if axes > 1:
+        return None
     split = {p.dim for p in layout if isinstance(p, Shard)}
     free = [d for d in range(len(local_shape)) if d not in split and local_shape[d] > 1]
     return max(free, key=lambda d: local_shape[d]) if free else None
@@ -195,11 +202,15 @@ def chunk_rows(size: int, n: int, rank: int) -> tuple[int, int]:
     return start, min(step, size - start)
 
 
-def zero1_split(local_shape: tuple[int, ...], n: int, layout, ragged=frozenset()) -> tuple[int, int] | None:
-    """ZeRO-1 over `n` ranks on a tensor of this local shape: (elements of the largest piece, which
-    is rank 0's; elements of the tensor padded to `n` equal pieces, which the collectives move).
-    None when every rank keeps it whole."""
-    d = zero1_shard_dim(local_shape, n, layout, ragged)
+def zero1_split(
+    local_shape: tuple[int, ...], n: int, layout, ragged=frozenset(), axes: int = 1
+) -> tuple[int, int] | None:
+    """ZeRO-1 over `n` ranks (of `axes` mesh axes) on a tensor of this local shape: (elements of the
+    largest piece, which is rank 0's; elements of the tensor padded to `n` equal pieces, which the
+    collectives move). None when every rank keeps it whole; over one rank, the whole is the piece."""
+    if n == 1:
+        return math.prod(local_shape), math.prod(local_shape)
+    d = zero1_shard_dim(local_shape, n, layout, ragged, axes)
     if d is None:
         return None
     row = math.prod(local_shape) // local_shape[d]

@@ -12,7 +12,12 @@ rank moves the bias the same way, so the biases stay bitwise equal.
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
+
+from ...experts.routing import DROPPED
 
 __all__ = ["Routing", "apply_expert"]
 
@@ -25,10 +30,13 @@ class Routing:
         self.par, self.routers = par, routers
         self.last: dict[str, torch.Tensor] = {}  # tokens per expert in the last step, by counts buffer
         self._start: dict[str, torch.Tensor] = {}
+        self.last_dropped = DROPPED.take()  # this rank's pairs capacity mode dropped in the last step
+        self.capacity_factor = par.compiled.options.capacity_factor
 
     @torch.no_grad()
     def step(self) -> None:
-        """After the update: note the step's counts, move the balancing biases, restart their counts."""
+        """After the update: note the step's counts and drops, move the balancing biases, restart their counts."""
+        self.last_dropped = DROPPED.take()
         held = self.par.named_model_buffers()
         for counts, bias, rate in self.routers:
             if counts not in held:
@@ -51,6 +59,22 @@ class Routing:
         return out
 
 
+    def dropped(self) -> int | None:
+        """The (token, expert) pairs capacity mode dropped in the last step, over every rank that routes (None:
+        dropless). Each rank counts its own tokens' pairs in each of its layers: the count is summed over the
+        world, and ranks that dispatch the same tokens (tensor-parallel ones) count once. One all-reduce over
+        the world, when asked (not part of the step): call it on every rank."""
+        if self.capacity_factor is None:
+            return None
+        c = self.par.compiled
+        total = self.last_dropped.to(self.par.device).clone()
+        dist.all_reduce(total)
+        spread = set(c.data_axes) | ({c.pp_axis} if c.pipelined else set())
+        same = math.prod(c.mesh.axis_size(a) for a in c.mesh.axis_names if a not in spread)
+        return int(total) // same
+
+
 def apply_expert(par) -> Routing | None:
     """The routing of the compiled model's routers (`compiler.capture.moe.balancing_routers`), if any."""
-    return Routing(par, par.compiled.routers) if par.compiled.routers else None
+    c = par.compiled
+    return Routing(par, c.routers) if c.routers or c.options.capacity_factor is not None else None

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from ...compiler.program import fsdp_whole
+from ...compiler.program import fsdp_whole, shard_axes
 from ...torch_private import AllGather, ReduceScatter, StridedShard, in_backward
 from ..comm import COUNTER, CommCounter
 from .data import GradSync, sync_groups
@@ -75,9 +76,17 @@ def apply_zero(par, *, offload: bool, prefetch: bool) -> tuple[list, GradSync | 
         shard_axes=tuple(a for a in data if a not in opts.replicate_axes), replicate_axes=opts.replicate_axes,
         param_dtype=getattr(torch, opts.precision.param), reduce_dtype=reduce, offload=offload, prefetch=prefetch,
     )  # fmt: skip
+    axes = {id(p): shard_axes(compiled, n) for n, p in par.named_model_parameters().items()}
     units = []
     for module in par.stage_modules:
         ignored = [p for p in module.parameters() if id(p) in left]
+        own = regions_holding(module, {i for i, a in axes.items() if a != kinds["shard_axes"] and i not in left})
+        for region in own:  # before their layers: a unit nested in another is not the outer one's
+            region_axes = {axes[id(p)] for p in region.weights.parameters()}
+            units += apply_fsdp(
+                region, [], par.device_mesh, keep_gathered=compiled.pipelined,
+                **(kinds | {"shard_axes": region_axes.pop(), "plain": False}),
+            )  # fmt: skip
         units += apply_fsdp(
             module, par.blocks(module), par.device_mesh, ignored=ignored, keep_gathered=compiled.pipelined,
             **kinds,
@@ -85,6 +94,64 @@ def apply_zero(par, *, offload: bool, prefetch: bool) -> tuple[list, GradSync | 
     whole = {n: p for n, p in par.named_model_parameters().items() if id(p) in left}
     sync = GradSync(whole, sync_groups(par, whole), reduce) if whole else None
     return units, sync
+
+
+def regions_holding(module: nn.Module, ids: set[int]) -> list[nn.Module]:
+    """Make the regions of per-shard code in `module`'s graphs hold the parameters in `ids` they read
+    (`RegionModule.hold`); returns those regions. Each such parameter must be read by one region alone:
+    its ZeRO-2/3 unit is that region (an expert weight: FSDP2 shards it over the data axes besides ep,
+    its layer's other weights over all of them). Raises naming any other use."""
+    from ...compiler.attrs import resolve
+    from ...modules.special import RegionModule
+
+    out, found = [], set()
+    for gm in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        for node in list(gm.graph.nodes):
+            region = resolve(gm, node.target) if node.op == "call_module" else None
+            if not isinstance(region, RegionModule):
+                continue
+            given = 0  # the position among the arguments the graph gives
+            for arg in list(node.args):
+                read = _param_read(gm, arg, ids)
+                if read is None:
+                    given += 1
+                    continue
+                attr, local = read
+                param = resolve(gm, attr.target)
+                region.hold(given, attr.target, param, *(() if local is None else (local.args[1:], local.kwargs)))
+                node.args = tuple(a for a in node.args if a is not arg)
+                for dead in (local, attr):
+                    if dead is not None and not dead.users:
+                        gm.graph.erase_node(dead)
+                *parent, last = attr.target.split(".")
+                delattr(resolve(gm, ".".join(parent)) if parent else gm, last)
+                found.add(id(param))
+                if region not in out:
+                    out.append(region)
+            gm.recompile()
+    missing = [n for n, p in module.named_parameters() if id(p) in ids and id(p) not in found]
+    if missing:
+        raise ValueError(
+            f"ZeRO-2/3: {', '.join(missing[:3])} {'is' if len(missing) == 1 else 'are'} sharded over fewer data "
+            "axes than the rest of the model (split over ep) but not read by a shard_map region alone, so FSDP2 "
+            "has no unit to gather it in. Fix: read it only inside the region (expert weights), or use zero=0 or 1"
+        )
+    return out
+
+
+def _param_read(gm: fx.GraphModule, arg, ids: set[int]):
+    """`(get_attr, to_local or None)` when `arg` is a parameter in `ids` read by nothing else."""
+    from ...compiler.attrs import has_attr, resolve
+
+    if not isinstance(arg, fx.Node):
+        return None
+    local = arg if arg.op == "call_method" and arg.target == "to_local" else None
+    attr = local.args[0] if local is not None else arg
+    if not isinstance(attr, fx.Node) or attr.op != "get_attr" or not has_attr(gm, attr.target):
+        return None
+    if id(resolve(gm, attr.target)) not in ids or len(arg.users) != 1 or len(attr.users) != 1:
+        return None
+    return attr, local
 
 
 def left_whole(par) -> set[int]:
@@ -96,8 +163,12 @@ def left_whole(par) -> set[int]:
 
 def plain_parameters(compiled) -> bool:
     """ZeRO-2/3 on a mesh of one data axis: the parameters are plain tensors (FSDP2 alone makes them
-    DTensors, as `fully_shard` by hand does), and the compiled graph reads them as they are."""
-    return compiled.options.zero >= 2 and len(compiled.mesh.axis_names) == 1 and bool(compiled.data_axes)
+    DTensors, as `fully_shard` by hand does), and the compiled graph reads them as they are. Not when
+    that axis splits a parameter (an expert weight on `ep`): that one is a DTensor of its own layout."""
+    return (
+        compiled.options.zero >= 2 and len(compiled.mesh.axis_names) == 1 and bool(compiled.data_axes)
+        and not fsdp_whole(compiled)
+    )  # fmt: skip
 
 
 def apply_fsdp(
@@ -186,4 +257,4 @@ def set_sync(units: list[nn.Module], enabled: bool) -> None:
         unit.set_requires_gradient_sync(enabled, recurse=False)
 
 
-__all__ = ["apply_fsdp", "apply_zero", "left_whole", "plain_parameters", "set_sync", "unshardable"]
+__all__ = ["apply_fsdp", "apply_zero", "left_whole", "plain_parameters", "regions_holding", "set_sync", "unshardable"]
