@@ -94,3 +94,10 @@ def long_batch(step: int) -> tuple:
     g = torch.Generator().manual_seed(200 + step)
     tokens = torch.randint(0, 256, (8, 64), generator=g)
     return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def uneven_batch(step: int) -> tuple:
+    """5 sequences of 8: ep=4 splits them 2, 2, 1, 0 under `uneven="chunk"` (the last rank routes nothing)."""
+    g = torch.Generator().manual_seed(300 + step)
+    tokens = torch.randint(0, 256, (5, 8), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)

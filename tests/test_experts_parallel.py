@@ -47,10 +47,11 @@ COUNTS, BIAS = "tokens_per_expert", "e_score_correction_bias"
     ],
 )
 def test_an_moe_model_on_ep_trains_as_the_single_process(name, mesh, options):
-    """Besides the losses, gradients and parameters: moe-tiny's routers never reset their token counts, so
-    after 3 steps they hold the 3 batches' counts, summed over every rank that routes and counted once per
-    forward (a recomputed block does not count again); moe-tiny-ds moves its balancing bias after each
-    update (the runtime does; the reference calls `update_balancing_bias`), equal on every rank."""
+    """Besides the losses, gradients and parameters (the routers' bitwise equal on every rank): moe-tiny's
+    routers never reset their token counts, so after 3 steps they hold the 3 batches' counts, summed over
+    every rank that routes and counted once per forward (a recomputed block does not count again);
+    moe-tiny-ds moves its balancing bias after each update (the runtime does; the reference calls
+    `update_balancing_bias`), equal on every rank."""
     build, rules = MODELS[name]
     keep = (COUNTS,) if name == "moe-tiny" else (BIAS,)
     ref = run_single(Trial(build, mm.batch, lr=1e-3, after_step=update_balancing_bias, buffers=keep))
@@ -60,6 +61,8 @@ def test_an_moe_model_on_ep_trains_as_the_single_process(name, mesh, options):
     for rank in got:
         assert_same(ref, rank, rtol=1e-12, atol=1e-12)
         assert sorted(rank.buffers) == sorted(ref.buffers)
+    routers = [n for n in ref.params if n.endswith("moe.gate.weight")]  # each rank's own copy (torchtitan#2387)
+    assert routers and all(torch.equal(rank.params[n], got[0].params[n]) for n in routers for rank in got)
     if options.get("microbatches", 1) > 1:  # per-microbatch routing statistics are stated
         assert "each microbatch's" in dict(got[0].plan.notes)["MoE"]
 
@@ -250,3 +253,34 @@ def test_router_counts_stay_exact_in_full_precision_under_bf16():
         assert {k: v for k, v in got["comm"].items() if k[1] != "all_to_all"} == {
             k: v for k, v in plan.items() if k[1] != "all_to_all"
         }
+
+
+def test_gradient_accumulation_with_ep_and_zero3_trains_as_the_single_process():
+    """moe-tiny-ds on dp=2×ep=2 accumulating 2 microbatches of 512 tokens under ZeRO-3 (no pipeline): the token
+    counts add up over the microbatches and the balancing bias moves once per step, from the whole batch's
+    counts, as the single process's one call does (fp64, 1e-12)."""
+    ref = run_single(Trial(mm.build_ds, mm.long_batch, lr=1e-3, after_step=update_balancing_bias, buffers=(BIAS,)))
+    trial = Trial(mm.build_ds, mm.long_batch, mesh="dp=2,ep=2", rules=mm.rules_ds, lr=1e-3,
+                  options={"microbatches": 2, "zero": 3}, buffers=(BIAS,))  # fmt: skip
+    for rank in get_pool(4).run(run_parallel, trial):
+        assert_same(ref, rank, rtol=1e-12, atol=1e-12)
+
+
+def test_tokens_the_data_ranks_do_not_divide_are_refused_at_compile_time():
+    """5 sequences over ep=4 under uneven='chunk' would give ranks 2, 2, 1 and 0 of them; the experts region takes
+    equal shards (JAX's shard_map semantics), so compiling says so, naming the region and the fix, before any
+    process exists. So does a capacity factor on a model without experts."""
+    from meshlib_torch import compile_model
+
+    mesh = ml.Mesh(ep=4)
+    with pytest.raises(ValueError, match=r"shard_map\(experts_ep.*do not split evenly over axis 'ep' \(4 ways\)"):
+        compile_model(mm.build_ds(), mesh=mesh, rules=mm.rules_ds(mesh), example_inputs=mm.uneven_batch(0),
+                      uneven="chunk")  # fmt: skip
+    from meshlib_torch.models import build, default_rules
+
+    x = torch.zeros(4, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="capacity_factor=1.0 caps the tokens each expert takes, but this model"):
+        compile_model(build("gpt-tiny"), mesh=ml.Mesh(dp=4), rules=default_rules("gpt-tiny", ml.Mesh(dp=4)),
+                      example_inputs=(x, x), capacity_factor=1.0)  # fmt: skip
+    with pytest.raises(ValueError, match="capacity_factor=0: give a positive number"):
+        ml.Parallelism(capacity_factor=0)

@@ -80,6 +80,16 @@ def _choose(view: OpView, cur: list[Layout], axes: Axes, i: int, shape_after: li
             total += _partial_debt(view, hint[0], n)
         if total < best_cost:
             best, best_cost = strat, total
+    if best is None and view.kind == "shard_map":
+        from ..capture.source import source_line
+
+        shapes = ", ".join(str(tuple(x.meta["val"].shape)) for x in view.tensors)
+        raise ValueError(
+            f"{view.p['fn']!r} called at {source_line(view.node)}: its arguments' shapes ({shapes}) do not split "
+            f"evenly over axis {name!r} ({n} ways) as its in_specs place them, and a region takes equal shards, as "
+            f"JAX's shard_map does (uneven='chunk' does not reach inside one). Fix: make those dims multiples of "
+            f"{n} (for experts: the tokens per step a multiple of the data ranks)"
+        )
     if best is None:
         raise AssertionError(f"no strategy fits {view.node} on axis {name}")
     return best
