@@ -1,0 +1,118 @@
+"""One rank's share of the attention: blocks of queries against blocks of keys, merged by log-sum-exp.
+
+A block of queries Q against keys K and values V gives its normalized output and its log-sum-exp
+
+    s = Q Kᵀ * scale + bias  (masked scores: -inf),   m = max_j s_j,
+    lse = m + log Σ_j exp(s_j - m),                    out = Σ_j exp(s_j - lse) V_j.
+
+Two blocks of keys A and B of the same queries merge exactly (Liu et al., "Ring Attention", 2023; the
+online softmax of flash attention):
+
+    lse = log(exp(lse_A) + exp(lse_B)),   out = exp(lse_A - lse) out_A + exp(lse_B - lse) out_B,
+
+computed with their max subtracted first. The max is a constant of the arithmetic (`detach`: the result does
+not depend on it), so autograd differentiates the exact formulas. A query that sees no key in a block has
+lse = -inf and adds nothing; one that sees none anywhere gets zeros.
+
+GQA: queries are held as (B, Hkv, G, rows, D), so a group's G query heads meet their key/value head in one
+matmul of (G*rows, D) by (D, cols): the key/value heads are never repeated.
+
+`attend_shard` is the step every ring and all-gather variant repeats: this rank's query chunks against the
+key chunks of one source shard, skipping each (query chunk, key chunk) pair a causal mask hides entirely
+(decided from positions on the host), and counting what it computes in `flops.SCORES`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .flops import SCORES
+from .inputs import Problem
+
+__all__ = ["attend", "attend_shard", "block", "finish", "merge"]
+
+_NEG = float("-inf")
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias, allowed) -> tuple:
+    """(out, lse) of queries q (B, Hkv, G, rows, D) over keys k and values v (B, Hkv, cols, D), in q's
+    dtype: `bias` added to the scores, `allowed` (bool) False where a score is masked; each None or
+    broadcastable to (B, Hkv, G, rows, cols). out is (B, Hkv, G, rows, D), lse (B, Hkv, G, rows, 1)."""
+    b, kv_heads, group, rows, d = q.shape
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    s = (q.reshape(b, kv_heads, group * rows, d) @ k.transpose(-1, -2)).view(b, kv_heads, group, rows, -1) * scale
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = s.masked_fill(~allowed, _NEG)
+    top = s.detach().amax(-1, keepdim=True)
+    top = torch.where(top.isfinite(), top, 0)  # a row that sees no key: its exponentials are all 0
+    e = torch.exp(s - top)
+    total = e.sum(-1, keepdim=True)
+    safe = torch.where(total > 0, total, 1)
+    out = (e.view(b, kv_heads, group * rows, -1) @ v).view(b, kv_heads, group, rows, v.shape[-1]) / safe
+    return out, torch.where(total > 0, top + torch.log(safe), _NEG)
+
+
+def merge(a: tuple, b: tuple) -> tuple:
+    """The (out, lse) of the queries over the keys of two blocks, from each block's (out, lse)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    top = torch.maximum(lse_a, lse_b).detach()
+    top = torch.where(top.isfinite(), top, 0)
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = w_a + w_b
+    safe = torch.where(total > 0, total, 1)
+    return (out_a * w_a + out_b * w_b) / safe, torch.where(total > 0, top + torch.log(safe), _NEG)
+
+
+def block(p: Problem, rows: tuple[int, int], k, v, cols: tuple[int, int], positions, *, pairs: int) -> tuple:
+    """(out, lse) of the query rows [r0, r0 + n) of `p` over keys k and values v (B, Hkv, m, D), the key
+    columns [c0, c0 + m) of the masks; `positions` (query positions, key positions) when a causal mask
+    cuts this block, else None. `pairs`: the (query chunk, key chunk) pairs it is, for `SCORES`."""
+    (r0, n), (c0, m) = rows, cols
+    allowed, bias = None, None
+    if positions is not None:
+        q_pos, k_pos = positions
+        allowed = k_pos[None, :] <= q_pos[:, None]
+    if p.doc_q is not None:
+        same = (p.doc_q[:, r0 : r0 + n, None] == p.doc_k[:, None, c0 : c0 + m])[:, None, None]
+        allowed = same if allowed is None else allowed & same
+    if p.mask is not None:
+        cut = p.mask[..., r0 : r0 + n, c0 : c0 + m]
+        if cut.dtype == torch.bool:
+            allowed = cut if allowed is None else allowed & cut
+        else:
+            bias = cut
+    SCORES.note(p.q, p.heads, n, m, pairs)
+    return attend(p.q[:, :, :, r0 : r0 + n], k, v, p.scale, bias, allowed)
+
+
+def attend_shard(p: Problem, acc: list, kv: torch.Tensor, src: int) -> bool:
+    """Merge into `acc` (per query chunk of this rank: (out, lse), or None before its first block) the
+    attention of this rank's query chunks over source rank `src`'s keys and values, kv (2, B, Hkv, L, D).
+
+    Chunks are stored in ascending position, so the key chunks a query chunk can see under a causal mask
+    are a prefix of `src`'s: the first `n`, those that begin before the query chunk ends. Returns whether
+    any block was computed (False: every key of `src` is hidden from every query here)."""
+    sh, c = p.shards, p.shards.chunk
+    k_starts, used = sh.starts(src), False
+    for a, q0 in enumerate(sh.starts(p.rank)):
+        n = sum(s <= q0 + c - 1 for s in k_starts) if p.causal else len(k_starts)
+        if n == 0:
+            continue  # every key of src is later than every query of this chunk
+        cuts = p.causal and k_starts[n - 1] + c - 1 > q0  # some key later than some query
+        device = p.q.device
+        positions = (sh.positions([q0], device), sh.positions(k_starts[:n], device)) if cuts else None
+        k, v = kv[0, :, :, : n * c], kv[1, :, :, : n * c]
+        piece = block(p, (a * c, c), k, v, (src * sh.local, n * c), positions, pairs=n)
+        acc[a] = piece if acc[a] is None else merge(acc[a], piece)
+        used = True
+    return used
+
+
+def finish(p: Problem, acc: list, dtype: torch.dtype) -> torch.Tensor:
+    """The query chunks' outputs side by side as (B, Hq, L, D) in `dtype`. Every chunk has one: at least
+    its own shard's diagonal block is visible to it."""
+    out = torch.cat([o for o, _ in acc], dim=3)
+    b, kv_heads, group, length, d = out.shape
+    return out.reshape(b, kv_heads * group, length, d).to(dtype)
