@@ -4,6 +4,8 @@ Its passes, in order (the one place they are written down; `compile.compile_mode
 
 capture/        the model as an fx graph of global values
   trace           fx, or torch.export where fx fails; keyword inputs bound by name (`call`)
+  moe, attention  experts (over ep) and, with a cp axis, scaled_dot_product_attention (ring attention) traced
+                  as shard_map regions
   normalize       one op vocabulary for both tracers; grad-mode and autocast regions kept (`regions`)
   values          every node's global value and FLOPs; `values.annotate_run_dtypes` the dtypes it runs in
   blocks          each node's part: "pre", the model's layers, "post" (the units of FSDP2 and recompute)

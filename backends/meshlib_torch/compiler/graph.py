@@ -20,6 +20,7 @@ from meshlib import Mesh
 from meshlib.options import Parallelism
 
 from ..modules.recompute import Remat, gathers
+from .capture.attention import CP_AXIS, attention_as_regions
 from .capture.blocks import layer_paths, partition
 from .capture.call import Call
 from .capture.moe import balancing_routers, check_moe, expert_weight_specs, experts_as_regions, full_buffers
@@ -118,7 +119,10 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     compute = getattr(torch, options.precision.param)
     in_layouts = input_layouts(call.tensors, options.in_specs, mesh, options.replicate_axes, options.uneven)
     data = data_axes(in_layouts, mesh)
-    with experts_as_regions(model, mesh, data, options.capacity_factor) as experts:
+    with (
+        experts_as_regions(model, mesh, data, options.capacity_factor) as experts,
+        attention_as_regions(mesh, data) as attention,
+    ):
         traced = trace(model, call, count_flops=count_flops, compute=compute)
     if options.capacity_factor is not None and not experts:
         raise ValueError(
@@ -144,7 +148,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
                for n, lay in layouts.items()}  # fmt: skip
     plain = sorted(n for n in groups if layouts[n] == declared[n] and Shard(groups[n][0]) in declared[n])
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    axes = _axes(mesh, options, call)
+    axes = _axes(mesh, options, call, data)
     check_zero(options.zero, data, mesh)
     bad = [a for a in options.replicate_axes if a not in data]
     if bad:
@@ -171,6 +175,8 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     gm.graph.lint()
     plan = plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, options.sequence_parallel, layouts)
     plan = with_data_parallel(plan, data, options)
+    if attention:
+        plan = plan.replace(notes=(*plan.notes, ("context parallelism", _cp_note(attention, mesh))))
     if plain:
         note = ", ".join(plain) + ": the parts do not divide over the axes, so the split reads the output gathered"
         plan = plan.replace(notes=(*plan.notes, ("fused projections split as declared", note)))
@@ -190,11 +196,24 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     )  # fmt: skip
 
 
-def _axes(mesh: Mesh, options: Parallelism, call: Call) -> Axes:
+def _cp_note(calls: list[str], mesh: Mesh) -> str:
+    return (
+        f"{len(calls)} attention calls run as ring_attention over cp={mesh.axis_size(CP_AXIS)} (keys and values "
+        "around the ring), in the contiguous layout: causal attention is not balanced across the cp ranks "
+        "(the zigzag layout is not wired into compiled models yet)"
+    )
+
+
+def _axes(mesh: Mesh, options: Parallelism, call: Call, data: tuple[str, ...] = ()) -> Axes:
+    """The mesh as propagation sees it. Where new activation shards may start: on the sequence dim over
+    `tp` (sequence parallelism), and over `cp` when it splits the inputs' sequence (context parallelism:
+    a whole value of the sequence's length, learned positions say, is sliced to this rank's tokens)."""
     slice_dims = ()
+    first = tuple(next(iter(call.tensors.values())).shape) if call.tensors else ()
     if options.sequence_parallel and options.tp_axis in mesh:
-        seq = tuple(next(iter(call.tensors.values())).shape)[options.seq_dim]
-        slice_dims = ((options.tp_axis, options.seq_dim, seq),)
+        slice_dims = ((options.tp_axis, options.seq_dim, first[options.seq_dim]),)
+    if CP_AXIS in data and len(first) >= 2:
+        slice_dims += ((CP_AXIS, 1, first[1]),)
     return Axes(mesh.axis_names, mesh.axis_sizes, slice_dims, options.uneven == "chunk")
 
 

@@ -21,6 +21,7 @@ from meshlib.cost import fsdp2_memory, zero_memory
 from meshlib.options import Parallelism
 
 from ..modules.recompute import Remat
+from .capture.attention import CP_AXIS, cp_size
 from .capture.trace import Traced
 from .placement.annotate import check_single_axis_uneven, spec_to_layout
 from .placement.placements import Layout, Shard, sync_axes, zero1_split
@@ -141,19 +142,35 @@ def persistent_buffers(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(n for n, _ in model.named_buffers() if n in keys)
 
 
-def default_in_spec(mesh: Mesh, replicate_axes: tuple[str, ...] = ()) -> P:
+def default_in_spec(
+    mesh: Mesh, replicate_axes: tuple[str, ...] = (), *, shape: tuple[int, ...] = (), seq_len: int | None = None
+) -> P:
     """Inputs are split on their batch dim over the data-parallel axes: `dp`, `ep` (expert parallelism borrows
-    data ranks, as torchtitan's dp2ep), and HSDP's replicate axes."""
+    data ranks, as torchtitan's dp2ep), and HSDP's replicate axes. With `cp` (context parallelism) in the mesh,
+    an input of `shape` whose dim 1 is the sequence (`seq_len`: token ids, labels, position ids) has that dim
+    split over `cp` too."""
     data = tuple(a for a in mesh.axis_names if (a in ("dp", "ep") or a in replicate_axes) and mesh.axis_size(a) > 1)
+    if cp_size(mesh) > 1 and seq_len is not None and len(shape) >= 2 and shape[1] == seq_len:
+        return P(data or None, CP_AXIS)
     return P(data) if data else P()
 
 
+def sequence_length(tensors: dict[str, torch.Tensor]) -> int | None:
+    """The sequence's length: dim 1 of the first input with two dims or more (the token ids), or None."""
+    return next((int(x.shape[1]) for x in tensors.values() if x.dim() >= 2), None)
+
+
 def data_axes(in_layouts: dict[str, Layout], mesh: Mesh) -> tuple[str, ...]:
-    """Mesh axes that split the batch dim of every input (in mesh order)."""
+    """Mesh axes that split the batch dim of every input (in mesh order), and `cp` where it splits the
+    sequence dim (1) of every input: outside attention it is a data axis (gradients summed over it)."""
     layouts = list(in_layouts.values())
+
+    def splits(i: int, a: str) -> bool:
+        want = Shard(1) if a == CP_AXIS else Shard(0)
+        return all(lay[i] == want for lay in layouts)
+
     return tuple(
-        a for i, a in enumerate(mesh.axis_names)
-        if layouts and mesh.axis_size(a) > 1 and all(lay[i] == Shard(0) for lay in layouts)
+        a for i, a in enumerate(mesh.axis_names) if layouts and mesh.axis_size(a) > 1 and splits(i, a)
     )  # fmt: skip
 
 
@@ -174,7 +191,9 @@ def input_layouts(
     """Each input's layout: its spec from `in_specs` (by name, or in order), else the batch split over dp."""
     names = list(tensors)
     if in_specs is None:
-        in_specs = {n: default_in_spec(mesh, replicate_axes) for n in names}
+        seq = sequence_length(tensors)
+        in_specs = {n: default_in_spec(mesh, replicate_axes, shape=tuple(x.shape), seq_len=seq)
+                    for n, x in tensors.items()}  # fmt: skip
     elif not isinstance(in_specs, dict):
         in_specs = dict(zip(names, in_specs))
     unknown = sorted(set(in_specs) - set(names))
@@ -317,5 +336,5 @@ def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
 __all__ = [
     "Compiled", "EagerStages", "OneGraph", "Program", "TracedStages", "buffer_dtype", "check_zero", "data_axes",
     "default_in_spec", "deferred_loss", "fsdp_whole", "input_layouts", "model_state", "persistent_buffers",
-    "shard_axes", "shard_ranks", "zero1_pieces",
+    "sequence_length", "shard_axes", "shard_ranks", "zero1_pieces",
 ]  # fmt: skip

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compiler.placement.placements import Partial, Replicate, Shard, chunk_rows, natural_grad, part_sizes
+from ..compiler.placement.placements import Partial, Replicate, Shard, chunk_rows, part_sizes
 from ..compiler.placement.placements import kind as pl_kind
 from ..compiler.placement.redistribute import CommSpec
 from ..compiler.placement.shapes import padded
@@ -263,7 +263,7 @@ class _CommFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         comm = ctx.comm
-        target = tuple(natural_grad(p) for p in comm.spec.src)
+        target = comm.spec.grad_target()
         with torch.no_grad():
             return comm.run(grad, comm.spec.grad_dst, target, "backward"), None
 

@@ -27,7 +27,6 @@ from ...torch_private import copy_codegen, pipeline_keeps_grad_buffers, stage_ba
 from ..attrs import set_attr
 from ..capture.blocks import layer_paths, split_graph
 from ..pipeline.stages import boundary_values, rank_params
-from ..placement.placements import natural_grad
 from ..placement.shapes import local_shape
 from ..program import Compiled, buffer_dtype, fsdp_whole, model_state, shard_ranks, zero1_pieces
 from .stepmem import step_extra
@@ -56,7 +55,7 @@ class DryComm(nn.Module):
         self.src = local_shape(spec.shape, spec.src, sizes)
         self.dst = local_shape(spec.shape, spec.dst, sizes)
         self.moves_forward = spec.src != spec.dst
-        self.moves_backward = spec.requires_grad and tuple(natural_grad(p) for p in spec.src) != spec.grad_dst
+        self.moves_backward = spec.requires_grad and spec.grad_target() != spec.grad_dst
 
     def forward(self, x):
         return _DryCollective.apply(x, self)

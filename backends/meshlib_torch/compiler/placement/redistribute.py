@@ -40,12 +40,19 @@ class CommSpec:
     consumer: str
     op: str
     source: str
+    grad_out: Layout = ()  # what backward makes of the gradient, where not `natural_grad(src)` (`grad_target`)
+
+    def grad_target(self) -> Layout:
+        """The layout backward leaves the gradient in: the natural one, but partial where a slice of a value
+        computed from parameters alone was taken on a data axis (its gradient padded with zeros: the runtime
+        sums it with the parameters' gradients, `insert_comms`)."""
+        return self.grad_out or tuple(natural_grad(p) for p in self.src)
 
     def steps(self, axes: Axes, phase: str) -> list[tuple[str, str, object, object]]:
         """`(kind, axis, from, to)` per axis that communicates, in `phase` ("forward"/"backward")."""
         out = []
-        for name, s, d, g in zip(axes.names, self.src, self.dst, self.grad_dst):
-            a, b = (s, d) if phase == "forward" else (g, natural_grad(s))
+        for name, s, d, g, t in zip(axes.names, self.src, self.dst, self.grad_dst, self.grad_target()):
+            a, b = (s, d) if phase == "forward" else (g, t)
             if phase == "backward" and not self.requires_grad:
                 continue
             k = kind(a, b)
@@ -91,7 +98,7 @@ def partial_grad_params(plans: dict[fx.Node, NodePlan], axes: Axes, deferred: tu
             if any(
                 axes.names[i] in deferred and not batch[x][i] and _is_partial_grad(need, plan.out, _requires_grad(x), i)
                 for i in range(len(axes.names))
-            ):
+            ) or any(_padded_grad(plans[x].out, need, batch[x], _requires_grad(x), axes, deferred)):
                 partial.add(x)
     out: set[str] = set()
     stack = list(partial)
@@ -105,6 +112,19 @@ def partial_grad_params(plans: dict[fx.Node, NodePlan], axes: Axes, deferred: tu
             out.add(x.target)
         stack.extend(x.all_input_nodes)
     return out
+
+
+def _padded_grad(have, need: Layout, batch: tuple[bool, ...], requires_grad: bool, axes: Axes, deferred) -> tuple:
+    """Per axis: is this a slice (replicated -> shard) of a value that depends on no input split over that
+    data axis (learned positions under context parallelism)? Its gradient then goes back padded with
+    zeros, a partial sum the runtime adds up with the parameters' gradients, not all-gathered in the graph
+    (which would count it again there)."""
+    if not requires_grad or not isinstance(have, tuple) or (have and isinstance(have[0], tuple)):
+        return (False,) * len(need)
+    return tuple(
+        axes.names[i] in deferred and not batch[i] and isinstance(have[i], Replicate) and isinstance(need[i], Shard)
+        for i in range(len(need))
+    )  # fmt: skip
 
 
 def _requires_grad(node: fx.Node) -> bool:
@@ -145,7 +165,9 @@ def insert_comms(
         value = x
         if have != need or any(all_p):
             grad_dst = tuple(PARTIAL if all_p[i] else natural_grad(need[i]) for i in range(len(need)))
-            value = _insert(gm, specs, x, have, need, grad_dst, users[0][0])
+            pads = _padded_grad(have, need, batch[x], _requires_grad(x), axes, deferred)
+            grad_out = tuple(PARTIAL if pad else natural_grad(h) for pad, h in zip(pads, have)) if any(pads) else ()
+            value = _insert(gm, specs, x, have, need, grad_dst, users[0][0], grad_out=grad_out)
             for user, _ in users:
                 user.replace_input_with(x, value)
         extra: dict[tuple[bool, ...], list[fx.Node]] = {}
@@ -161,14 +183,14 @@ def insert_comms(
     return specs
 
 
-def _insert(gm, specs, x, have, need, grad_dst, first_user, val=None) -> fx.Node:
+def _insert(gm, specs, x, have, need, grad_dst, first_user, val=None, grad_out=()) -> fx.Node:
     """A `comm<i>` node just before `first_user`, the earliest consumer in graph order."""
     name = f"comm{len(specs)}"
     val = x.meta["val"] if val is None else val
     spec = CommSpec(
         name, have, need, grad_dst, tuple(val.shape), run_dtype(x), bool(val.requires_grad),
         x.name, first_user.name, str(getattr(first_user.target, "__name__", first_user.target)),
-        source_line(first_user),
+        source_line(first_user), grad_out,
     )  # fmt: skip
     specs.append(spec)
     with gm.graph.inserting_before(first_user):
