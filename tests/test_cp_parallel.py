@@ -72,7 +72,7 @@ def _reference(name: str):
 @pytest.mark.parametrize(
     "mesh, options",
     [("cp=2", {}), ("dp=2,cp=2", {}), ("cp=4", {}), ("dp=2,cp=2", {"zero": 3}), ("cp=2", {"zero": 1}),
-     ("tp=2,cp=2", {})],
+     ("tp=2,cp=2", {}), ("pp=2,cp=2", {"microbatches": 2})],
 )
 def test_a_dense_model_on_cp_trains_as_the_single_process(name, mesh, options):
     """Positions come out global (gpt's learned positions and llama's rotary tables are sliced to each
