@@ -23,7 +23,7 @@ import time
 from importlib.metadata import entry_points
 
 from .mesh import Mesh
-from .options import BALANCE, RECOMPUTE, Parallelism, Pipelining
+from .options import BALANCE, CP_METHODS, RECOMPUTE, Parallelism, Pipelining
 from .plan import Precision
 from .schedules import SCHEDULE_NAMES, resolve_schedule
 from .sharding import UNEVEN_POLICIES
@@ -220,6 +220,10 @@ def _common(p: argparse.ArgumentParser, *, own_models: bool) -> None:
     p.add_argument(
         "--uneven", default=PAR.uneven, choices=UNEVEN_POLICIES,
         help="a dim its axes do not divide: an error (JAX's rule), or torch.chunk's block sizes",
+    )  # fmt: skip
+    p.add_argument(
+        "--cp-method", default=PAR.cp_method, choices=CP_METHODS,
+        help="attention across the cp ranks: keys and values around a ring, gathered once, or all-to-all (Ulysses)",
     )  # fmt: skip
     p.add_argument(
         "--capacity-factor", type=_positive_float, default=None, metavar="C",

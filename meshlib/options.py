@@ -28,6 +28,7 @@ from .sharding import UNEVEN_POLICIES
 from .spec import P
 
 RECOMPUTE = ("none", "block", "selective")
+CP_METHODS = ("ring", "all-gather", "all-to-all")  # context parallelism's attention across the cp ranks
 BALANCE = ("flops", "params")
 
 
@@ -58,6 +59,9 @@ class Parallelism(_Options):
     `capacity_factor`: a mixture-of-experts layer's experts take at most C = ceil(c·T·k/E) of the T·k
     (token, expert) pairs a rank routes (the first C to each expert, in token order), the rest dropped,
     counted and reported; fixed-size exchanges and no host read. None (the default): dropless.
+    `cp_method`: how attention over a sequence split on `cp` reaches the other ranks' keys and values:
+    "ring" (they travel around the ring of cp ranks, the default), "all-gather" (gathered once; small cp)
+    or "all-to-all" (DeepSpeed-Ulysses: sequence shards swapped for head shards; heads must divide by cp).
     """
 
     in_specs: dict[str, P] | tuple[P, ...] | None = None
@@ -72,6 +76,7 @@ class Parallelism(_Options):
     idle_axes: tuple[str, ...] = ()
     uneven: str = "error"
     capacity_factor: float | None = None
+    cp_method: str = "ring"
 
     def __post_init__(self):
         _set(self, "zero", zero_level(self.zero))
@@ -86,6 +91,7 @@ class Parallelism(_Options):
                 "'param=bf16,reduce=fp32'"
             )
         _choose("recompute", self.recompute, RECOMPUTE)
+        _choose("cp_method", self.cp_method, CP_METHODS)
         _choose("uneven", self.uneven, UNEVEN_POLICIES)
         _set(self, "replicate_axes", tuple(self.replicate_axes))
         _set(self, "idle_axes", tuple(self.idle_axes))
@@ -161,4 +167,4 @@ def gather(keywords: dict, parallelism=None, pipelining=None, running=None, *, a
     return tuple(out)
 
 
-__all__ = ["BALANCE", "GROUPS", "Parallelism", "Pipelining", "RECOMPUTE", "Running", "gather"]
+__all__ = ["BALANCE", "CP_METHODS", "GROUPS", "Parallelism", "Pipelining", "RECOMPUTE", "Running", "gather"]

@@ -153,3 +153,36 @@ def test_attention_options_the_ring_does_not_run_are_refused_at_compile_time(kwa
     tokens = torch.zeros(2, 8, dtype=torch.long)
     with pytest.raises(ValueError, match=match):
         compile_model(_Masked(**kwargs), mesh=m, rules=ml.pattern_rules({}, default=ml.P()), example_inputs=(tokens,))
+
+
+# -- cp_method: the other two ways across the cp ranks ----------------------------------------------------
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "name, mesh, method", [("gpt-tiny", "cp=2", "all-gather"), ("llama-tiny", "dp=2,cp=2", "all-gather"),
+                           ("gpt-tiny", "dp=2,cp=2", "all-to-all"), ("llama-tiny", "cp=4", "all-to-all")],
+)  # fmt: skip
+def test_each_cp_method_trains_as_the_single_process_and_is_planned_as_it_runs(name, mesh, method):
+    """`cp_method="all-gather"` (keys and values gathered once) and `"all-to-all"` (DeepSpeed-Ulysses: sequence
+    shards swapped for head shards) give the single process's losses, gradients and parameters (fp64, 1e-12,
+    3 AdamW steps), and each rank's counted bytes equal the plan's; the plan names the method."""
+    build_fn, rules = MODELS[name]
+    trial = Trial(build_fn, batch, mesh=mesh, rules=rules, lr=1e-3, options={"cp_method": method})
+    size = ml.Mesh.parse(mesh).size
+    for rank in get_pool(size).run(run_parallel, trial):
+        assert_same(_reference(name), rank, rtol=1e-12, atol=1e-12)
+    kind = {"all-gather": "all_gather", "all-to-all": "all_to_all"}[method]
+    for got in get_pool(size).run(measure_step, trial):
+        plan = planned(got["plan"], got["coords"])["comm"]
+        assert got["comm"] == plan, (got["rank"], got["coords"])
+        assert plan[("forward", kind, "cp")] > 0 and ("forward", "send_recv", "cp") not in plan
+        assert method.replace("-", "") in dict(got["plan"].notes)["context parallelism"].replace("ulysses", "alltoall")
+
+
+def test_ulysses_refuses_heads_cp_does_not_divide_at_compile_time():
+    """gpt-tiny's 4 heads, 2 per tp rank on tp=2, do not divide over cp=4: the all-to-all variant says so while
+    compiling, naming the numbers and the fix (another cp_method)."""
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+    m = ml.Mesh.parse("tp=2,cp=4")
+    with pytest.raises(ValueError, match=r"(?s)heads.*cp"):
+        compile_model(build("gpt-tiny", device="meta", dtype=torch.float64), mesh=m,
+                      rules=default_rules("gpt-tiny", m), example_inputs=(tokens, tokens), cp_method="all-to-all")  # fmt: skip

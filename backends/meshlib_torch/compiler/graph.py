@@ -121,7 +121,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     data = data_axes(in_layouts, mesh)
     with (
         experts_as_regions(model, mesh, data, options.capacity_factor) as experts,
-        attention_as_regions(mesh, data) as attention,
+        attention_as_regions(mesh, data, options.cp_method) as attention,
     ):
         traced = trace(model, call, count_flops=count_flops, compute=compute)
     if options.capacity_factor is not None and not experts:
@@ -176,7 +176,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     plan = plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, options.sequence_parallel, layouts)
     plan = with_data_parallel(plan, data, options)
     if attention:
-        plan = plan.replace(notes=(*plan.notes, ("context parallelism", _cp_note(attention, mesh))))
+        plan = plan.replace(notes=(*plan.notes, ("context parallelism", _cp_note(attention, mesh, options.cp_method))))
     if plain:
         note = ", ".join(plain) + ": the parts do not divide over the axes, so the split reads the output gathered"
         plan = plan.replace(notes=(*plan.notes, ("fused projections split as declared", note)))
@@ -196,11 +196,15 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     )  # fmt: skip
 
 
-def _cp_note(calls: list[str], mesh: Mesh) -> str:
+def _cp_note(calls: list[str], mesh: Mesh, method: str) -> str:
+    how = {
+        "ring": "ring_attention over cp={n} (keys and values around the ring)",
+        "all-gather": "allgather_attention over cp={n} (keys and values gathered once)",
+        "all-to-all": "ulysses_attention over cp={n} (sequence shards swapped for head shards)",
+    }[method].format(n=mesh.axis_size(CP_AXIS))
     return (
-        f"{len(calls)} attention calls run as ring_attention over cp={mesh.axis_size(CP_AXIS)} (keys and values "
-        "around the ring), in the contiguous layout: causal attention is not balanced across the cp ranks "
-        "(the zigzag layout is not wired into compiled models yet)"
+        f"{len(calls)} attention calls run as {how}, in the contiguous layout: causal attention is not balanced "
+        "across the cp ranks (the zigzag layout is not wired into compiled models yet)"
     )
 
 

@@ -42,20 +42,24 @@ def attention_spec(mesh: Mesh, data: tuple[str, ...]) -> P:
     return P(batch, heads, CP_AXIS)
 
 
-def _ring(q, k, v, causal: bool, scale):
-    from ...attention import ring_attention
+def _variant(method: str):
+    """The per-shard attention `cp_method` names (`meshlib.options.CP_METHODS`)."""
+    from ...attention import allgather_attention, ring_attention, ulysses_attention
 
-    return ring_attention(q, k, v, axis=CP_AXIS, causal=causal, scale=scale, layout="contiguous")
+    return {"ring": ring_attention, "all-gather": allgather_attention, "all-to-all": ulysses_attention}[method]
 
 
 @functools.cache
-def _mapped(mesh: Mesh, spec: P, causal: bool, scale):
+def _mapped(mesh: Mesh, spec: P, causal: bool, scale, method: str = "ring"):
     from ...spmd.shard_map import shard_map
 
-    def ring_attention(q, k, v):
-        return _ring(q, k, v, causal, scale)
+    fn = _variant(method)
 
-    return shard_map(ring_attention, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    def attention(q, k, v):
+        return fn(q, k, v, axis=CP_AXIS, causal=causal, scale=scale, layout="contiguous")
+
+    attention.__name__ = attention.__qualname__ = fn.__name__
+    return shard_map(attention, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
 
 class _Refusal:
@@ -90,10 +94,11 @@ def _check(attn_mask, dropout_p, where: str, n: int) -> None:
 
 
 @contextlib.contextmanager
-def attention_as_regions(mesh: Mesh, data: tuple[str, ...]):
-    """While the block runs (tracing), `F.scaled_dot_product_attention` is `ring_attention` mapped over
-    `mesh` (see the module docstring), when `cp` (of size > 1) splits the inputs' sequence (`data`, the data
-    axes, holds it); else it does nothing. Yields a list that holds where each call made into a region was."""
+def attention_as_regions(mesh: Mesh, data: tuple[str, ...], method: str = "ring"):
+    """While the block runs (tracing), `F.scaled_dot_product_attention` is the per-shard attention `method`
+    names (`ring_attention` by default, see `_variant`) mapped over `mesh` (see the module docstring), when
+    `cp` (of size > 1) splits the inputs' sequence (`data`, the data axes, holds it); else it does nothing.
+    Yields a list that holds where each call made into a region was."""
     calls: list[str] = []
     n = cp_size(mesh)
     if n <= 1 or CP_AXIS not in data:
@@ -110,7 +115,7 @@ def attention_as_regions(mesh: Mesh, data: tuple[str, ...]):
             refusal.error = refusal.error or err
             raise
         calls.append(where)
-        return _mapped(mesh, spec, bool(is_causal), scale)(q, k, v)
+        return _mapped(mesh, spec, bool(is_causal), scale, method)(q, k, v)
 
     F.scaled_dot_product_attention = sdpa
     try:

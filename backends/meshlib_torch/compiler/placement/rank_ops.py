@@ -198,16 +198,22 @@ def _region_args(plan: NodePlan, axes: Axes, data: tuple) -> dict:
         deferred=frozenset(data),
     )  # fmt: skip
     # an exchange (all-to-all, ppermute) moves rows between data ranks and adds nothing up: expert
-    # parallelism's dispatch runs over `ep`, a data axis; a sum or gather over one is the runtime's
-    owned = [r for r in run.records if set(r.axes) & set(data) and r.kind not in ("all_to_all", "send_recv")]
+    # parallelism's dispatch runs over `ep`, a data axis; so does gathering them (context parallelism's keys
+    # and values over `cp`), whose backward sums each rank's share of their gradient back to its owner (a
+    # reduce-scatter, the gather's transpose). A sum in forward over one is the runtime's
+    moves = {("forward", "all_gather"), ("backward", "reduce_scatter")}
+    owned = [
+        r for r in run.records
+        if set(r.axes) & set(data) and r.kind not in ("all_to_all", "send_recv") and (r.phase, r.kind) not in moves
+    ]  # fmt: skip
     if owned:
         r = owned[0]
         raise ValueError(
-            f"{where}: lax.{r.op} at {r.source} sums or gathers over {list(r.axes)}, which the compiled "
+            f"{where}: lax.{r.op} at {r.source} sums over {list(r.axes)}, which the compiled "
             f"model keeps for data parallelism ({list(data)}): their gradient sums belong to the runtime, once per "
-            "step, and a region's sum there would count them again or miss them. Fix: keep the region's sums and "
-            f"gathers on the other axes (the batch stays split over {list(data)} through it; exchanges such as "
-            "all_to_all may run over them)"
+            "step, and a region's sum there would count them again or miss them. Fix: keep the region's sums on "
+            f"the other axes (the batch stays split over {list(data)} through it; exchanges such as all_to_all, "
+            "ppermute and all_gather may run over them)"
         )
     return {"fn": fn, "deferred": tuple(data), "template": template, "records": run.records}
 
