@@ -46,7 +46,6 @@ class SafetensorsWeights:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.where: dict[str, str] = {}
         self.stacks: dict = {}  # a parameter stacked from per-expert tensors -> its `stacked.Stack`
-        self.read_keys: set[str] = set()  # every key read so far
         for file in sorted(set(self.files.values())) if self.files else []:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for key in f.keys():
@@ -58,7 +57,6 @@ class SafetensorsWeights:
         read per block of contiguous runs, never the whole tensor (of a stack, only its experts in `index`)."""
         if key in self.stacks:
             return self.stacks[key].read(self.read, index, dtype)
-        self.read_keys.add(key)
         runs = [_runs(ix.tolist()) for ix in index]
         out = torch.empty(tuple(len(ix) for ix in index), dtype=dtype)
         with self._open(self.where[key], framework="pt", device="cpu") as f:
@@ -72,10 +70,8 @@ class SafetensorsWeights:
     def whole(self, key: str) -> torch.Tensor:
         if key in self.stacks:
             return self.read(key, [torch.arange(n) for n in self.shapes[key]], self._dtype(key))
-        self.read_keys.add(key)
         with self._open(self.where[key], framework="pt", device="cpu") as f:
             return f.get_tensor(key)
-
 
     def _dtype(self, key: str) -> torch.dtype:
         """A stack's dtype: its first piece's, from the file's header."""

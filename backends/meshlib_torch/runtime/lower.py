@@ -49,9 +49,8 @@ def lower(compiled, dm, model: nn.Module, source: weights.Source) -> Lowered:
     mine = set(compiled.traced.params)
     if compiled.pipelined:
         mine = set().union(*(compiled.stages.params[s] for s in local))
-    compute = getattr(torch, compiled.options.precision.param)
     if isinstance(compiled.program, EagerStages):
-        return _lower_eager(compiled, model, mine, local, source, device=device, compute=compute)
+        return _lower_eager(compiled, model, mine, local, source, device=device)
     plain = plain_parameters(compiled)
     sizes, at = compiled.axes.sizes, [coords[a] for a in compiled.axes.names]
 
@@ -117,7 +116,7 @@ def _take(compiled, model: nn.Module, names: set[str], make, device, source: wei
     return root
 
 
-def _lower_eager(compiled, model, names, local, source: weights.Source, *, device, compute) -> Lowered:
+def _lower_eager(compiled, model, names, local, source: weights.Source, *, device) -> Lowered:
     """The stages of a model cut by module FQN: each a meta copy filled with whole parameters (one
     `nn.Parameter` per name however many local stages hold it) and the model's buffers."""
 
@@ -132,15 +131,14 @@ def _lower_eager(compiled, model, names, local, source: weights.Source, *, devic
     buffers = {path: real[n] for path, n in paths.items() if n in real}  # every name of a shared buffer
     params = dict(root.named_parameters())
     aliases = compiled.traced.aliases
-    kept = compiled.full_buffers
-    modules = [_fill(compiled.stages.modules[s], params, buffers, aliases, device, compute, kept) for s in local]
+    modules = [_fill(compiled.stages.modules[s], params, buffers, aliases, device, compiled) for s in local]
     # the stages hang under the root after its own FQN-named parameters: a cast or an update of the
     # root's reaches them, and the root's names come first for a parameter both hold
     root.add_module("pipeline_stages", nn.ModuleList(modules))
     return Lowered(root, modules, local, device)
 
 
-def _fill(stage: nn.Module, params: dict, buffers: dict, aliases: dict, device, compute, kept) -> nn.Module:
+def _fill(stage: nn.Module, params: dict, buffers: dict, aliases: dict, device, compiled) -> nn.Module:
     """Put the real parameters (by canonical FQN) and buffers into a stage's meta copy of the model."""
     for prefix, mod in stage.named_modules(remove_duplicate=False):
         for name, p in list(own_parameters(mod).items()):
@@ -151,8 +149,7 @@ def _fill(stage: nn.Module, params: dict, buffers: dict, aliases: dict, device, 
             path = f"{prefix}.{name}" if prefix else name
             if b is not None and path in buffers:
                 real = buffers[path]
-                own_buffers(mod)[name] = real.to(device, dtype=compute if real.is_floating_point() and path not in kept
-                                                 else real.dtype)  # fmt: skip
+                own_buffers(mod)[name] = real.to(device, dtype=buffer_dtype(compiled, path, real))
     return stage
 
 

@@ -58,7 +58,6 @@ class Routing:
             out.append((name, [float(v) for v in c.double()], float(c.double().max()) / mean if mean else 0.0))
         return out
 
-
     def dropped(self) -> int | None:
         """The (token, expert) pairs capacity mode dropped in the last step, over every rank that routes (None:
         dropless). Each rank counts its own tokens' pairs in each of its layers: the count is summed over the

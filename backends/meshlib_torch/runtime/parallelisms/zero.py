@@ -83,6 +83,11 @@ def apply_zero(par, *, offload: bool, prefetch: bool) -> tuple[list, GradSync | 
         own = regions_holding(module, {i for i, a in axes.items() if a != kinds["shard_axes"] and i not in left})
         for region in own:  # before their layers: a unit nested in another is not the outer one's
             region_axes = {axes[id(p)] for p in region.weights.parameters()}
+            if len(region_axes) != 1:  # one FSDP2 unit shards over one set of axes
+                raise ValueError(
+                    f"ZeRO-2/3: a shard_map region reads weights sharded over different data axes "
+                    f"({sorted(region_axes)}), which one FSDP2 unit cannot hold. Fix: use zero=0 or 1"
+                )
             units += apply_fsdp(
                 region, [], par.device_mesh, keep_gathered=compiled.pipelined,
                 **(kinds | {"shard_axes": region_axes.pop(), "plain": False}),
