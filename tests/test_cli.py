@@ -123,11 +123,19 @@ def test_the_parser_reads_the_bundled_models_without_torch():
 
 
 # -- plan ------------------------------------------------------------------------------------------
-def test_meshlib_plan_llama_7b(tmp_path):
-    out = _run(MESHLIB + ["plan", "--model", "llama-7b", "--mesh", "dp=8,tp=4", "--json", str(tmp_path / "p.json")])
+@pytest.fixture(scope="module")
+def llama_7b_piped(tmp_path_factory) -> tuple[str, dict]:
+    """`meshlib plan --model llama-7b --mesh dp=8,tp=4 --json p.json` piped, COLUMNS=80: (stdout, p.json).
+    Two tests read it; the plan compiles once."""
+    path = tmp_path_factory.mktemp("llama-7b") / "p.json"
+    out = _run(MESHLIB + ["plan", "--model", "llama-7b", "--mesh", "dp=8,tp=4", "--json", str(path)], COLUMNS="80")
+    return out, json.loads(path.read_text())
+
+
+def test_meshlib_plan_llama_7b(llama_7b_piped):
+    out, plan = llama_7b_piped
     for piece in ("parameter layouts", "layers.*.attention.wq.weight", "collectives per step", "memory per rank", "llama.py:"):
         assert piece in out
-    plan = json.loads((tmp_path / "p.json").read_text())
     # 6.74e9 fp32 parameters; every matrix except the norms is split 4 ways over tp
     params = plan["memory"]["params"]
     assert 6.7e9 * 4 / 4 < params < 6.8e9 * 4 / 4 + 2e7
@@ -135,11 +143,13 @@ def test_meshlib_plan_llama_7b(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["pipe", "terminal"])
-def test_plan_tables_keep_names_whole_at_80_columns(where):
+def test_plan_tables_keep_names_whole_at_80_columns(where, request):
     """Piped, the tables are plain text at full width; in an 80-column terminal (rich), a table too wide
     is drawn row by row. Either way no name or source line is cut, and nothing is elided with `…`."""
-    env = {"COLUMNS": "80"} | ({"FORCE_COLOR": "1"} if where == "terminal" else {})
-    raw = _run(MESHLIB + ["plan", "--model", "llama-7b", "--mesh", "dp=8,tp=4"], **env)
+    if where == "pipe":  # the same command as test_meshlib_plan_llama_7b's, which also writes the json
+        raw = request.getfixturevalue("llama_7b_piped")[0]
+    else:
+        raw = _run(MESHLIB + ["plan", "--model", "llama-7b", "--mesh", "dp=8,tp=4"], COLUMNS="80", FORCE_COLOR="1")
     out = ANSI.sub("", raw)
     assert ("\x1b[" in raw) == (where == "terminal")
     for name in ("layers.*.attention.wq.weight", "layers.*.feed_forward.w2.weight", "tok_embeddings.weight"):
