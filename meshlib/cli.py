@@ -23,7 +23,7 @@ import time
 from importlib.metadata import entry_points
 
 from .mesh import Mesh
-from .options import BALANCE, CP_METHODS, RECOMPUTE, Parallelism, Pipelining
+from .options import BALANCE, CP_LAYOUTS, CP_METHODS, RECOMPUTE, Parallelism, Pipelining
 from .plan import Precision
 from .schedules import SCHEDULE_NAMES, resolve_schedule
 from .sharding import UNEVEN_POLICIES
@@ -224,6 +224,10 @@ def _common(p: argparse.ArgumentParser, *, own_models: bool) -> None:
     p.add_argument(
         "--cp-method", default=PAR.cp_method, choices=CP_METHODS,
         help="attention across the cp ranks: keys and values around a ring, gathered once, or all-to-all (Ulysses)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cp-layout", default=PAR.cp_layout, choices=CP_LAYOUTS,
+        help="the tokens each cp rank holds: head-tail chunks (causal work balanced) or one contiguous piece",
     )  # fmt: skip
     p.add_argument(
         "--capacity-factor", type=_positive_float, default=None, metavar="C",

@@ -29,6 +29,7 @@ from .spec import P
 
 RECOMPUTE = ("none", "block", "selective")
 CP_METHODS = ("ring", "all-gather", "all-to-all")  # context parallelism's attention across the cp ranks
+CP_LAYOUTS = ("zigzag", "contiguous")  # where each cp rank's tokens lie in the sequence
 BALANCE = ("flops", "params")
 
 
@@ -62,6 +63,9 @@ class Parallelism(_Options):
     `cp_method`: how attention over a sequence split on `cp` reaches the other ranks' keys and values:
     "ring" (they travel around the ring of cp ranks, the default), "all-gather" (gathered once; small cp)
     or "all-to-all" (DeepSpeed-Ulysses: sequence shards swapped for head shards; heads must divide by cp).
+    `cp_layout`: which tokens each cp rank holds: "zigzag" (the default: the sequence cut in 2·cp chunks, rank i
+    holding chunks i and 2·cp−1−i, so causal attention's work is the same on every rank; the length must be a
+    multiple of 2·cp) or "contiguous" (rank i holds the i-th 1/cp of the sequence, as `P("cp")` cuts it).
     """
 
     in_specs: dict[str, P] | tuple[P, ...] | None = None
@@ -77,6 +81,7 @@ class Parallelism(_Options):
     uneven: str = "error"
     capacity_factor: float | None = None
     cp_method: str = "ring"
+    cp_layout: str = "zigzag"
 
     def __post_init__(self):
         _set(self, "zero", zero_level(self.zero))
@@ -92,6 +97,7 @@ class Parallelism(_Options):
             )
         _choose("recompute", self.recompute, RECOMPUTE)
         _choose("cp_method", self.cp_method, CP_METHODS)
+        _choose("cp_layout", self.cp_layout, CP_LAYOUTS)
         _choose("uneven", self.uneven, UNEVEN_POLICIES)
         _set(self, "replicate_axes", tuple(self.replicate_axes))
         _set(self, "idle_axes", tuple(self.idle_axes))
@@ -167,4 +173,6 @@ def gather(keywords: dict, parallelism=None, pipelining=None, running=None, *, a
     return tuple(out)
 
 
-__all__ = ["BALANCE", "CP_METHODS", "GROUPS", "Parallelism", "Pipelining", "RECOMPUTE", "Running", "gather"]
+__all__ = [
+    "BALANCE", "CP_LAYOUTS", "CP_METHODS", "GROUPS", "Parallelism", "Pipelining", "RECOMPUTE", "Running", "gather",
+]  # fmt: skip

@@ -2,20 +2,22 @@
 
 Method: the same fp64 weights and batches run once in one process (the reference: the model as written,
 `F.scaled_dot_product_attention` on the whole sequence) and once compiled on gloo ranks, where the inputs'
-sequence dim is split over `cp` by the default input spec and each attention call is a `ring_attention`
-region (keys and values around the ring of cp ranks, contiguous layout); outside attention `cp` is a data
-axis. The losses, every gradient after the first backward and every parameter after 3 AdamW steps must
+sequence dim is split over `cp` by the default input spec, in head-tail chunks (rank i holds chunks i and
+2·cp-1-i), and each attention call is a `ring_attention` region (keys and values around the ring of cp
+ranks); outside attention `cp` is a data axis. The losses, every gradient after the first backward and every parameter after 3 AdamW steps must
 agree to 1e-12. The plan's ring bytes must equal the bytes each rank counted and the closed form.
 """
 
 from __future__ import annotations
 
 import pytest
+import real_models as rm
 import torch
 from torch import nn
 
 import meshlib as ml
 from meshlib_torch import compile_model
+from meshlib_torch.compiler.placement.placements import Shard
 from meshlib_torch.models import build, default_rules
 from meshlib_torch.testing.measure import measure_step, planned
 from meshlib_torch.testing.pool import get_pool
@@ -43,6 +45,10 @@ def build_llama() -> nn.Module:
     return _build("llama-tiny")
 
 
+def build_llama_gqa() -> nn.Module:
+    return _build("llama-tiny-gqa")
+
+
 def rules_gpt(mesh):
     return default_rules("gpt-tiny", mesh)
 
@@ -51,13 +57,20 @@ def rules_llama(mesh):
     return default_rules("llama-tiny", mesh)
 
 
+def rules_llama_gqa(mesh):
+    return default_rules("llama-tiny-gqa", mesh)
+
+
 def batch(step: int) -> tuple:
     g = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)
     return tokens, torch.roll(tokens, -1, dims=1)
 
 
-MODELS = {"gpt-tiny": (build_gpt, rules_gpt), "llama-tiny": (build_llama, rules_llama)}
+MODELS = {
+    "gpt-tiny": (build_gpt, rules_gpt), "llama-tiny": (build_llama, rules_llama),
+    "llama-tiny-gqa": (build_llama_gqa, rules_llama_gqa),  # 4 query heads, 2 key/value heads
+}  # fmt: skip
 _REFERENCES: dict = {}
 
 
@@ -89,13 +102,26 @@ def test_a_dense_model_on_cp_trains_as_the_single_process(name, mesh, options):
 
 
 @pytest.mark.ranks
+@pytest.mark.parametrize("mesh", ["cp=2", "tp=2,cp=2"])
+def test_grouped_query_attention_on_cp_trains_as_the_single_process(mesh):
+    """llama-tiny-gqa (4 query heads, 2 key/value heads, repeated by `repeat_interleave` before the call): the
+    region takes the key/value heads unrepeated and gives the single process's numbers (fp64, 1e-12)."""
+    build_fn, rules = MODELS["llama-tiny-gqa"]
+    got = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, Trial(build_fn, batch, mesh=mesh, rules=rules, lr=1e-3))
+    for rank in got:
+        assert_same(_reference("llama-tiny-gqa"), rank, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.ranks
 @pytest.mark.parametrize(
-    "name, mesh", [("gpt-tiny", "dp=2,cp=2"), ("llama-tiny", "cp=2"), ("gpt-tiny", "cp=4"), ("llama-tiny", "tp=2,cp=2")]
-)
+    "name, mesh", [("gpt-tiny", "dp=2,cp=2"), ("llama-tiny", "cp=2"), ("gpt-tiny", "cp=4"), ("llama-tiny", "tp=2,cp=2"),
+                   ("llama-tiny-gqa", "cp=2"), ("llama-tiny-gqa", "tp=2,cp=2")],
+)  # fmt: skip
 def test_the_plan_counts_the_ring_as_each_rank_runs_it(name, mesh):
     """Plan = measured = closed form, on every rank: per layer and step the ring moves (cp-1) hops of K and V,
     2·B·Hkv·(S/cp)·D·itemsize bytes each, forward, and their gradients the same way back (B the batch per
-    dp rank, Hkv the key/value heads per tp rank). Learned positions are sliced, not gathered: nothing else
+    dp rank, Hkv the key/value heads per tp rank: with GQA, kv_heads/heads of the bytes repeated heads would
+    move, the heads never repeated before they travel). Learned positions are sliced, not gathered: nothing else
     moves over cp in forward or backward but the ring, the loss's sum and the gradient sync."""
     build_fn, rules = MODELS[name]
     trial = Trial(build_fn, batch, mesh=mesh, rules=rules, lr=1e-3)
@@ -108,12 +134,14 @@ def test_the_plan_counts_the_ring_as_each_rank_runs_it(name, mesh):
     heads = model.config.n_head if name == "gpt-tiny" else model.config.kv_heads
     head_dim = 32 // 4  # both: 4 heads of a width of 32
     ring = (cp - 1) * 2 * (BATCH // dp) * (heads // tp) * (SEQ // cp) * head_dim * 8
+    repeated = (cp - 1) * 2 * (BATCH // dp) * (4 // tp) * (SEQ // cp) * head_dim * 8  # kv heads repeated to 4
     for got in results:
         plan = planned(got["plan"], got["coords"])["comm"]
         assert got["comm"] == plan, (got["rank"], got["coords"])
         assert plan[("forward", "send_recv", "cp")] == layers * ring
         assert plan[("backward", "send_recv", "cp")] == layers * ring
-        print(f"{name} {mesh}: ring bytes per layer {ring} forward, {ring} backward (closed form = plan = counted)")
+        print(f"{name} {mesh}: ring bytes per layer {ring} forward, {ring} backward (closed form = plan = counted); "
+              f"{ring / repeated:g} of what repeated key/value heads would move")
         over_cp = {k for k in plan if "cp" in k[2].split("_") and k[1] not in ("send_recv",)}
         assert over_cp <= {("forward", "all_reduce", "cp"), ("forward", "all_reduce", "dp_cp"),
                            ("backward", "all_reduce", "dp_cp"), ("backward", "all_reduce", "cp")}, over_cp
@@ -129,6 +157,20 @@ def test_a_sequence_cp_does_not_divide_is_refused_naming_the_fix():
     tokens = torch.zeros(4, 9, dtype=torch.long)
     with pytest.raises(ValueError, match=r"(?s)input 'idx'.*9.*cp"):
         _compile("gpt-tiny", "cp=2", tokens)
+
+
+def test_a_sequence_2cp_does_not_divide_is_refused_by_the_head_tail_layout_naming_both_fixes():
+    """10 tokens split over cp=2 but not in 2·cp = 4 head-tail chunks: refused at compile time, naming the
+    padded length and the contiguous layout, which then compiles (its sequence inputs a plain shard)."""
+    tokens = torch.zeros(4, 10, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"(?s)input 'idx'.*10 tokens.*2\*cp = 4.*pad it to 12.*cp_layout='contiguous'"):
+        _compile("gpt-tiny", "cp=2", tokens)
+    m = ml.Mesh.parse("cp=2")
+    model = build("gpt-tiny", device="meta", dtype=torch.float64)
+    compiled = compile_model(model, mesh=m, rules=default_rules("gpt-tiny", m), example_inputs=(tokens, tokens),
+                             cp_layout="contiguous")  # fmt: skip
+    assert compiled.input_layouts["idx"] == (Shard(1),)
+    assert "contiguous layout" in dict(compiled.plan.notes)["context parallelism"]
 
 
 class _Masked(nn.Module):
@@ -186,3 +228,90 @@ def test_ulysses_refuses_heads_cp_does_not_divide_at_compile_time():
     with pytest.raises(ValueError, match=r"(?s)heads.*cp"):
         compile_model(build("gpt-tiny", device="meta", dtype=torch.float64), mesh=m,
                       rules=default_rules("gpt-tiny", m), example_inputs=(tokens, tokens), cp_method="all-to-all")  # fmt: skip
+
+
+# -- load balance: which tokens each cp rank holds -------------------------------------------------------
+def _attention_work(trial: Trial) -> tuple[int, int]:
+    """This rank's index along cp and the attention score FLOPs it computed in one forward (`attention.SCORES`)."""
+    from meshlib_torch.attention import SCORES
+    from meshlib_torch.testing.reference import parallelize_trial
+
+    par = parallelize_trial(trial)
+    SCORES.reset()
+    par.train_step(trial.batch(0), trial.make_optimizer(par.optimizer))
+    return par.compiled.mesh.coords(torch.distributed.get_rank())["cp"], SCORES.flops
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_head_tail_chunks_give_every_cp_rank_the_same_causal_work(layout):
+    """gpt-tiny on cp=4, causal: with the head-tail layout (the default) every rank computes the same attention
+    FLOPs (rank i holds chunks i and 7-i of 8: 2·cp+1 = 9 chunk pairs each); with the contiguous one rank i
+    computes i+1 of the cp² blocks' worth, the closed form `attention_flops_per_rank` times batch and layers."""
+    from meshlib_torch.attention import attention_flops_per_rank
+
+    trial = Trial(build_gpt, batch, mesh="cp=4", rules=rules_gpt, lr=1e-3, options={"cp_layout": layout})
+    work = dict(get_pool(4).run(_attention_work, trial))
+    model = build_gpt()
+    per_seq = attention_flops_per_rank(SEQ, 4, model.config.n_head, 32 // 4, causal=True, layout=layout)
+    assert [work[i] for i in range(4)] == [f * BATCH * len(model.h) for f in per_seq]
+    mean = sum(work.values()) / 4
+    spread = (max(work.values()) - min(work.values())) / mean
+    print(f"{layout}: attention FLOPs per cp rank {[work[i] for i in range(4)]}, spread {spread:.3f} of the mean")
+    assert spread < 1 / 4 if layout == "zigzag" else spread == pytest.approx(2 * 3 / 5)
+
+
+# -- transformers' Llama and Qwen2, unmodified --------------------------------------------------------------
+def build_hf_llama() -> nn.Module:
+    return rm.build_llama(torch.float64)
+
+
+def build_hf_qwen2() -> nn.Module:
+    """transformers' Qwen2 (q, k, v with biases; GQA, 4 query and 2 key/value heads), fp64."""
+    tf = rm._quiet_transformers()
+    cfg = tf.Qwen2Config(
+        vocab_size=rm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, use_sliding_window=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.Qwen2ForCausalLM(cfg).to(torch.float64).train()
+
+
+def rules_hf(mesh):
+    """Megatron's split of Llama and Qwen2 (Qwen2's q, k, v biases split with their rows)."""
+    tp = "tp" if "tp" in mesh else None
+    return ml.pattern_rules(
+        {
+            "model.embed_tokens.weight": ml.P(tp, None), "**.self_attn.[qkv]_proj.weight": ml.P(tp, None),
+            "**.self_attn.[qkv]_proj.bias": ml.P(tp), "**.self_attn.o_proj.weight": ml.P(None, tp),
+            "**.mlp.gate_proj.weight": ml.P(tp, None), "**.mlp.up_proj.weight": ml.P(tp, None),
+            "**.mlp.down_proj.weight": ml.P(None, tp), "lm_head.weight": ml.P(tp, None),
+        },
+        default=ml.P(),
+    )  # fmt: skip
+
+
+HF = {"llama": build_hf_llama, "qwen2": build_hf_qwen2}
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("mesh", ["cp=2", "tp=2,cp=2"])
+def test_transformers_models_on_cp_train_as_the_unmodified_model(name, mesh):
+    """transformers' LlamaForCausalLM and Qwen2ForCausalLM, their own weights and code (sdpa attention, the causal
+    mask they build from the positions, `repeat_kv`, the loss's label shift), on cp=2 and tp=2×cp=2: losses,
+    gradients and parameters equal the unmodified model's (fp64, 1e-12, 3 AdamW steps). transformers computes the
+    loss in fp32 from fp64 logits, so the losses agree to fp32's 1e-6, and on tp=2×cp=2, where the loss runs
+    vocab-parallel (its fp32 sums in another order), the rest to fp32's 1e-5 (AdamW divides a near-zero gradient
+    by its own size, so its fp32 noise reaches the parameter). The plan says the
+    causal masks were recognised (no mask moves) and the key/value heads travel unrepeated."""
+    trial = Trial(HF[name], rm.hf_batch, mesh=mesh, rules=rules_hf, loss="loss", lr=1e-3)
+    key = f"hf-{name}"
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_single(trial)
+    got = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)
+    tol = 1e-12 if "tp" not in mesh else 1e-5  # over tp the fp32 loss is vocab-parallel: fp32 sums, reordered
+    for rank in got:
+        assert_same(_REFERENCES[key], rank, rtol=tol, atol=tol, loss_tol=1e-6)
+    note = dict(got[0].plan.notes)["context parallelism"]
+    assert "2 causal masks recognised" in note and "2 with their key/value heads unrepeated" in note, note

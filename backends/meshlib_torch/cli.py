@@ -106,6 +106,7 @@ def _compile(args, *, seq: int):
         recompute=args.recompute, estimate_memory=True, microbatches=args.microbatches, schedule=args.schedule,
         chunks=args.chunks, split_points=args.split_points, balance=args.balance, idle_axes=_idle(args),
         uneven=args.uneven, capacity_factor=args.capacity_factor, cp_method=args.cp_method,
+        cp_layout=args.cp_layout,
     )  # fmt: skip
     return compiled, (("model", args.model), *notes, ("batch x seq", f"{args.batch} x {seq}"))
 
@@ -215,7 +216,7 @@ def run_main(args, argv: list[str] | None = None) -> None:
         microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
         split_points=tuple(args.split_points or ()) or None, balance=args.balance, weights=args.weights,
         export=args.export, idle_axes=_idle(args), uneven=args.uneven, capacity_factor=args.capacity_factor,
-        cp_method=args.cp_method,
+        cp_method=args.cp_method, cp_layout=args.cp_layout,
     )  # fmt: skip
     rank0 = int(os.environ["RANK"]) == 0
     try:

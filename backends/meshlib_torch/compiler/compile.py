@@ -63,7 +63,7 @@ def compile_model(
     m = pipe.microbatches
     _check_microbatches(call, m)
     if m > 1 and par.uneven != "error":
-        layouts = input_layouts(call.tensors, par.in_specs, mesh, par.replicate_axes, par.uneven)
+        layouts = input_layouts(call.tensors, par.in_specs, mesh, par.replicate_axes, par.uneven, par.cp_layout)
         _check_ragged_batch(layouts, mesh, call, m)
     if pipe.pp_axis in mesh and mesh.axis_size(pipe.pp_axis) > 1:
         compiled = compile_pipeline(model, call, mesh=mesh, rules=rules, options=par, pipelining=pipe,

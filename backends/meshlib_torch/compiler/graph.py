@@ -20,7 +20,7 @@ from meshlib import Mesh
 from meshlib.options import Parallelism
 
 from ..modules.recompute import Remat, gathers
-from .capture.attention import CP_AXIS, attention_as_regions
+from .capture.attention import CP_AXIS, attention_as_regions, attention_regions, zigzag
 from .capture.blocks import layer_paths, partition
 from .capture.call import Call
 from .capture.moe import balancing_routers, check_moe, expert_weight_specs, experts_as_regions, full_buffers
@@ -117,11 +117,13 @@ def _refuse_data_gathers(comms: list[CommSpec], plans, axes: Axes, data: tuple[s
 
 def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: bool) -> Compiled:
     compute = getattr(torch, options.precision.param)
-    in_layouts = input_layouts(call.tensors, options.in_specs, mesh, options.replicate_axes, options.uneven)
+    in_layouts = input_layouts(
+        call.tensors, options.in_specs, mesh, options.replicate_axes, options.uneven, options.cp_layout
+    )
     data = data_axes(in_layouts, mesh)
     with (
         experts_as_regions(model, mesh, data, options.capacity_factor) as experts,
-        attention_as_regions(mesh, data, options.cp_method) as attention,
+        attention_as_regions(mesh, data, options.cp_method, options.cp_layout) as attention,
     ):
         traced = trace(model, call, count_flops=count_flops, compute=compute)
     if options.capacity_factor is not None and not experts:
@@ -131,6 +133,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
         )
     gm = traced.gm
     fold_scalars(gm)  # first: export's dtype asserts name the traced dtypes, not the compute dtype's
+    regions = attention_regions(gm, attention)
     kept = full_buffers(model)
     annotate_run_dtypes(gm, call, compute, keep=kept)
     specs = _annotate.param_specs(traced.params, rules, mesh, traced.aliases, options.uneven)
@@ -176,7 +179,8 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     plan = plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, options.sequence_parallel, layouts)
     plan = with_data_parallel(plan, data, options)
     if attention:
-        plan = plan.replace(notes=(*plan.notes, ("context parallelism", _cp_note(attention, mesh, options.cp_method))))
+        note = _cp_note(attention, regions, mesh, options.cp_method, options.cp_layout)
+        plan = plan.replace(notes=(*plan.notes, ("context parallelism", note)))
     if plain:
         note = ", ".join(plain) + ": the parts do not divide over the axes, so the split reads the output gathered"
         plan = plan.replace(notes=(*plan.notes, ("fused projections split as declared", note)))
@@ -196,16 +200,25 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     )  # fmt: skip
 
 
-def _cp_note(calls: list[str], mesh: Mesh, method: str) -> str:
+def _cp_note(calls: list[str], regions: dict[str, int], mesh: Mesh, method: str, layout: str) -> str:
+    n = mesh.axis_size(CP_AXIS)
     how = {
         "ring": "ring_attention over cp={n} (keys and values around the ring)",
         "all-gather": "allgather_attention over cp={n} (keys and values gathered once)",
         "all-to-all": "ulysses_attention over cp={n} (sequence shards swapped for head shards)",
-    }[method].format(n=mesh.axis_size(CP_AXIS))
-    return (
-        f"{len(calls)} attention calls run as {how}, in the contiguous layout: causal attention is not balanced "
-        "across the cp ranks (the zigzag layout is not wired into compiled models yet)"
-    )
+    }[method].format(n=n)
+    where = {
+        "zigzag": f"in the head-tail layout (rank i holds chunks i and {2 * n - 1}-i of {2 * n}: causal work balanced)",
+        "contiguous": "in the contiguous layout (causal work unbalanced: the last rank's is cp times the first's)",
+    }[layout]
+    said = [f"{len(calls)} attention calls run as {how}, {where}"]
+    if regions["unrepeated"]:
+        said.append(f"{regions['unrepeated']} with their key/value heads unrepeated (GQA: kv heads travel alone)")
+    if regions["causal masks"]:
+        said.append(f"{regions['causal masks']} causal masks recognised and run as is_causal (no mask moved)")
+    if regions["masks"]:
+        said.append(f"{regions['masks']} with their mask split by query rows (every key column on each rank)")
+    return "; ".join(said)
 
 
 def _axes(mesh: Mesh, options: Parallelism, call: Call, data: tuple[str, ...] = ()) -> Axes:
@@ -215,9 +228,9 @@ def _axes(mesh: Mesh, options: Parallelism, call: Call, data: tuple[str, ...] = 
     slice_dims = ()
     first = tuple(next(iter(call.tensors.values())).shape) if call.tensors else ()
     if options.sequence_parallel and options.tp_axis in mesh:
-        slice_dims = ((options.tp_axis, options.seq_dim, first[options.seq_dim]),)
+        slice_dims = ((options.tp_axis, Shard(options.seq_dim), first[options.seq_dim]),)
     if CP_AXIS in data and len(first) >= 2:
-        slice_dims += ((CP_AXIS, 1, first[1]),)
+        slice_dims += ((CP_AXIS, zigzag(1) if options.cp_layout == "zigzag" else Shard(1), first[1]),)
     return Axes(mesh.axis_names, mesh.axis_sizes, slice_dims, options.uneven == "chunk")
 
 

@@ -21,7 +21,7 @@ from meshlib.cost import fsdp2_memory, zero_memory
 from meshlib.options import Parallelism
 
 from ..modules.recompute import Remat
-from .capture.attention import CP_AXIS, cp_size
+from .capture.attention import CP_AXIS, cp_size, zigzag, zigzag_input
 from .capture.trace import Traced
 from .placement.annotate import check_single_axis_uneven, spec_to_layout
 from .placement.placements import Layout, Shard, sync_axes, zero1_split
@@ -166,8 +166,8 @@ def data_axes(in_layouts: dict[str, Layout], mesh: Mesh) -> tuple[str, ...]:
     layouts = list(in_layouts.values())
 
     def splits(i: int, a: str) -> bool:
-        want = Shard(1) if a == CP_AXIS else Shard(0)
-        return all(lay[i] == want for lay in layouts)
+        want = (Shard(1), zigzag(1)) if a == CP_AXIS else (Shard(0),)
+        return all(lay[i] in want for lay in layouts)
 
     return tuple(
         a for i, a in enumerate(mesh.axis_names) if layouts and mesh.axis_size(a) > 1 and splits(i, a)
@@ -186,9 +186,12 @@ def check_zero(zero: int, data: tuple[str, ...], mesh: Mesh) -> None:
 
 
 def input_layouts(
-    tensors: dict[str, torch.Tensor], in_specs, mesh: Mesh, replicate_axes=(), uneven: str = "error"
+    tensors: dict[str, torch.Tensor], in_specs, mesh: Mesh, replicate_axes=(), uneven: str = "error",
+    cp_layout: str = "zigzag",
 ) -> dict[str, Layout]:
-    """Each input's layout: its spec from `in_specs` (by name, or in order), else the batch split over dp."""
+    """Each input's layout: its spec from `in_specs` (by name, or in order), else the batch split over dp.
+    Under `cp_layout="zigzag"` an input's sequence dim (1) split over `cp` holds each rank's head-tail chunks
+    (`capture.attention.zigzag`): the same values as `P(..., "cp")` gives, in another order over the ranks."""
     names = list(tensors)
     if in_specs is None:
         seq = sequence_length(tensors)
@@ -205,6 +208,8 @@ def input_layouts(
         NamedSharding(mesh, spec, uneven=uneven).check(tuple(x.shape), path=f"input {name!r}")
         check_single_axis_uneven(mesh, spec, tuple(x.shape), uneven, f"input {name!r}")
         out[name] = spec_to_layout(spec, mesh)
+        if cp_layout == "zigzag":
+            out[name] = zigzag_input(out[name], mesh, tuple(x.shape), name)
     return out
 
 

@@ -66,6 +66,7 @@ def blocks(x: torch.Tensor, p: Shard, n: int) -> torch.Tensor:
     moved = [
         piece.reshape(shape[:dim] + [n, piece.shape[dim] // n] + shape[dim + 1 :]).movedim(dim, 0) for piece in pieces
     ]
+    moved = [m.flip(0) if p.reversed_part(i) else m for i, m in enumerate(moved)]
     return moved[0] if len(moved) == 1 else torch.cat(moved, dim + 1)
 
 
@@ -73,6 +74,7 @@ def unblocks(stacked: torch.Tensor, p: Shard) -> torch.Tensor:
     """Inverse of `blocks`: (n, ..., local size, ...) -> the whole dim, every part's blocks in rank order."""
     dim, n, shape = p.dim, stacked.shape[0], list(stacked.shape[1:])
     pieces = stacked.split(list(part_sizes(p, shape[dim])), dim + 1)
+    pieces = [piece.flip(0) if p.reversed_part(i) else piece for i, piece in enumerate(pieces)]
     whole = [
         piece.movedim(0, dim).reshape(shape[:dim] + [n * piece.shape[dim + 1]] + shape[dim + 1 :]) for piece in pieces
     ]

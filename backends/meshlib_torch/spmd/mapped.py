@@ -35,6 +35,9 @@ class ShardMapped:
 
     def __init__(self, f, mesh: Mesh, in_specs, out_specs, check_vma: bool, eager):
         self.f, self.mesh, self.in_specs, self.out_specs, self.check_vma = f, mesh, in_specs, out_specs, check_vma
+        # the mesh axis whose sequence shards the region takes in the head-tail layout (context parallelism's
+        # attention, `compiler.capture.attention`); None: every shard is JAX's block
+        self.zigzag: str | None = None
         self._eager = eager
         functools.update_wrapper(self, f)
 

@@ -60,6 +60,7 @@ class RunConfig:
     uneven: str = _PAR.uneven
     capacity_factor: float | None = _PAR.capacity_factor
     cp_method: str = _PAR.cp_method
+    cp_layout: str = _PAR.cp_layout
     offload: bool = _RUN.offload
     microbatches: int = _PIPE.microbatches
     schedule: str = _PIPE.schedule
@@ -221,7 +222,7 @@ def build_parallel(run: RunConfig):
         precision=Precision.parse(run.precision) if run.precision else None, recompute=run.recompute,
         replicate_axes=run.replicate_axes, idle_axes=run.idle_axes, uneven=run.uneven, offload=run.offload,
         microbatches=run.microbatches, schedule=run.schedule, capacity_factor=run.capacity_factor,
-        cp_method=run.cp_method,
+        cp_method=run.cp_method, cp_layout=run.cp_layout,
         chunks=run.chunks, balance=run.balance, split_points=list(run.split_points) if run.split_points else None,
     )  # fmt: skip
 

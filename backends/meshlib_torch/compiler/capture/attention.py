@@ -8,25 +8,79 @@ With a `cp` axis (size > 1) in the mesh the inputs' sequence dim is split over i
 their batch over the other data axes and their heads over `tp` when the mesh has it, so no rank
 gathers the whole sequence; keys and values travel around the ring of cp ranks (`lax.ppermute`,
 their bytes in the plan). Every other op works on sequence shards with the collectives propagation
-inserts. The layout is contiguous: rank i holds tokens [i*S/cp, (i+1)*S/cp), so causal attention is
-not balanced across ranks yet (the zigzag layout is not wired into compiled models).
+inserts.
 
-What the ring does not run is refused while tracing, before any collective, naming the call and the
-fix: an `attn_mask`, `dropout_p` > 0.
+The layout (`cp_layout`) is head-tail by default: the sequence is cut in 2*cp chunks and cp rank i holds
+chunks i and 2*cp-1-i (`zigzag`, the placement `Shard(dim, 2, mirror=True)`), so causal attention costs
+every rank the same. It is a placement like any other: the value is the whole sequence's, in token order,
+and only which rank holds which rows changes. So a whole value meeting the sequence (learned positions,
+rotary tables sliced to the length, targets) is sliced to each rank's chunks, a gather puts the chunks back
+in order, and nothing in the model changes. The region takes its q, k, v in that layout
+(`ShardMapped.zigzag`, read by `placement.ops.region_layouts`) and its per-shard attention knows it.
+"contiguous": rank i holds tokens [i*S/cp, (i+1)*S/cp), as `P("cp")` cuts them (the last rank's causal
+work is cp times the first's).
+
+Grouped-query attention: keys and values move at their own number of heads. A model that repeats them to
+the query heads before the call (the bundled Llama's `repeat_interleave`, transformers' `repeat_kv`) would
+send every repeat around the ring (torchtitan#1283: 4x the bytes on Llama-3-8B). The region takes the
+keys and values as they were before the repeat (`kv.repeated`; `enable_gqa` semantics: query head h reads
+key/value head h // (Hq/Hkv), which is what both repeats build), where the key/value heads divide over `tp`.
+
+Masks: an `attn_mask` goes into the region split like the queries' rows, every key's column on each rank
+(put in the layout's order there), so padding, packed documents (transformers builds their block-diagonal
+mask from reset `position_ids`) and sliding windows (Mistral, Gemma-2) are exact. A mask that is the causal
+one (transformers builds it from the positions even where `is_causal` would do, since it cannot skip it
+while traced) is recognised by its value (`masks.constant_mask`) and becomes `causal=True`: no mask moves
+or is stored, and fully masked blocks are skipped.
+
+Tracing records each call as one `cp_sdpa` node (the call with its arguments, run on meta values as SDPA);
+`attention_regions` then makes each a region, knowing every value's shape: the GQA heads before their
+repeat, the mask's spec, the causal mask recognised. Under torch.export (a model fx cannot trace) the call
+becomes its region at once from the fake tensors' shapes, its mask kept as given.
+
+`dropout_p` > 0 is refused while tracing, before any collective, naming the call and the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
+import torch.fx as fx
 import torch.nn.functional as F
 
 from meshlib import Mesh, P
 
+from ..placement.placements import Layout, Shard
 from .source import TORCH_DIR
 
 CP_AXIS = "cp"
+
+
+def zigzag(dim: int) -> Shard:
+    """The head-tail placement of a sequence dim over `cp`: two chunks per rank, i and 2*cp-1-i."""
+    return Shard(dim, 2, mirror=True)
+
+
+def zigzag_input(layout: Layout, mesh: Mesh, shape: tuple[int, ...], name: str) -> Layout:
+    """An input's layout with its sequence dim (1), where `cp` splits it, in the zigzag layout; refused
+    (naming the fix) where 2*cp chunks do not divide the sequence."""
+    if CP_AXIS not in mesh.axis_names:
+        return layout
+    i = mesh.axis_names.index(CP_AXIS)
+    if layout[i] != Shard(1):
+        return layout
+    n = mesh.axis_size(CP_AXIS)
+    if shape[1] % (2 * n):
+        raise ValueError(
+            f"input {name!r} {list(shape)}: its sequence of {shape[1]} tokens does not cut into 2*cp = {2 * n} "
+            f"equal chunks, which the zigzag layout of cp={n} needs (each rank holds a chunk from the head and one "
+            f"from the tail, so causal attention costs every rank the same). Fix: make the sequence a multiple of "
+            f"{2 * n} (pad it to {-(-shape[1] // (2 * n)) * 2 * n}), or pass cp_layout='contiguous' "
+            f"(--cp-layout contiguous; a multiple of {n}, with causal work unbalanced)"
+        )
+    return (*layout[:i], zigzag(1), *layout[i + 1 :])
 
 
 def cp_size(mesh: Mesh) -> int:
@@ -38,8 +92,26 @@ def attention_spec(mesh: Mesh, data: tuple[str, ...]) -> P:
     """How q, k, v (B, H, S, D) and the result are split in the region: batch over the data axes besides
     `cp`, heads over `tp` (when the mesh has it), sequence over `cp`."""
     batch = tuple(a for a in data if a != CP_AXIS) or None
-    heads = "tp" if "tp" in mesh.axis_names and mesh.axis_size("tp") > 1 else None
-    return P(batch, heads, CP_AXIS)
+    return P(batch, _heads_axis(mesh), CP_AXIS)
+
+
+def _heads_axis(mesh: Mesh) -> str | None:
+    return "tp" if "tp" in mesh.axis_names and mesh.axis_size("tp") > 1 else None
+
+
+def mask_spec(mesh: Mesh, data: tuple[str, ...], mask: tuple[int, ...], batch: int, heads: int) -> P:
+    """How a mask of shape `mask` (S, S) or (1 or B, 1 or H, S, S) is split in the region: its query rows over
+    `cp` (every key column whole), its batch and heads as q's where it has them; anything else is refused."""
+    if len(mask) == 2:
+        return P(CP_AXIS, None)
+    spec = attention_spec(mesh, data)
+    if len(mask) != 4 or mask[0] not in (1, batch) or mask[1] not in (1, heads) or mask[2] != mask[3]:
+        raise ValueError(
+            f"an attention mask of shape {list(mask)}: context parallelism takes (S, S) or (1 or B, 1 or H, S, S) "
+            f"(B = {batch}, H = {heads}). Fix: give the mask one of those shapes"
+        )
+    b = spec[0] if mask[0] == batch and batch > 1 else None
+    return P(b, spec[1] if mask[1] == heads and heads > 1 else None, CP_AXIS, None)
 
 
 def _variant(method: str):
@@ -50,16 +122,34 @@ def _variant(method: str):
 
 
 @functools.cache
-def _mapped(mesh: Mesh, spec: P, causal: bool, scale, method: str = "ring"):
+def _mapped(mesh: Mesh, spec: P, causal: bool, scale, method: str, layout: str, mask: P | None = None):
+    from ...attention.zigzag import Shards
+    from ...lax import axis_size
     from ...spmd.shard_map import shard_map
 
     fn = _variant(method)
 
-    def attention(q, k, v):
-        return fn(q, k, v, axis=CP_AXIS, causal=causal, scale=scale, layout="contiguous")
+    def attention(q, k, v, mask=None):
+        if mask is not None and layout == "zigzag":  # every key's column, in the order the ranks hold the keys
+            mask = mask.index_select(-1, Shards(layout, axis_size(CP_AXIS), q.shape[2]).everyone(mask.device))
+        return fn(q, k, v, axis=CP_AXIS, causal=causal, scale=scale, layout=layout, mask=mask)
 
     attention.__name__ = attention.__qualname__ = fn.__name__
-    return shard_map(attention, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    attention.cp_call = (causal, scale)  # `attention_regions` finds torch.export's regions by it
+    specs = (spec, spec, spec) if mask is None else (spec, spec, spec, mask)
+    mapped = shard_map(attention, mesh=mesh, in_specs=specs, out_specs=spec)
+    mapped.zigzag = CP_AXIS if layout == "zigzag" else None
+    return mapped
+
+
+_SDPA = F.scaled_dot_product_attention  # torch's own, while the tracing hook stands in for it
+
+
+def cp_sdpa(q, k, v, mask=None, *, causal: bool, scale, where: str):
+    """One attention call of a traced model, before `attention_regions` makes it a region: on meta values,
+    SDPA itself (key/value heads fewer than the queries' read as `enable_gqa`)."""
+    gqa = k.shape[1] != q.shape[1]
+    return _SDPA(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 class _Refusal:
@@ -78,13 +168,7 @@ def _where() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "an unknown line"
 
 
-def _check(attn_mask, dropout_p, where: str, n: int) -> None:
-    if attn_mask is not None:
-        raise ValueError(
-            f"scaled_dot_product_attention at {where} passes attn_mask: context parallelism over cp={n} runs "
-            "causal or full attention without a mask in compiled models so far. Fix: use is_causal=True instead "
-            "of a causal mask, or compile without a cp axis"
-        )
+def _check(dropout_p, where: str, n: int) -> None:
     if isinstance(dropout_p, (int, float)) and dropout_p > 0:
         raise ValueError(
             f"scaled_dot_product_attention at {where} has dropout_p={dropout_p}: the ring over cp={n} runs no "
@@ -93,29 +177,41 @@ def _check(attn_mask, dropout_p, where: str, n: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Setting:
+    """What every attention region of one compiled model shares."""
+
+    mesh: Mesh
+    data: tuple[str, ...]
+    method: str
+    layout: str
+
+
 @contextlib.contextmanager
-def attention_as_regions(mesh: Mesh, data: tuple[str, ...], method: str = "ring"):
-    """While the block runs (tracing), `F.scaled_dot_product_attention` is the per-shard attention `method`
-    names (`ring_attention` by default, see `_variant`) mapped over `mesh` (see the module docstring), when
-    `cp` (of size > 1) splits the inputs' sequence (`data`, the data axes, holds it); else it does nothing.
-    Yields a list that holds where each call made into a region was."""
-    calls: list[str] = []
+def attention_as_regions(mesh: Mesh, data: tuple[str, ...], method: str = "ring", layout: str = "zigzag"):
+    """While the block runs (tracing), `F.scaled_dot_product_attention` is recorded as `cp_sdpa` calls (fx), or
+    made a region at once (torch.export), when `cp` (of size > 1) splits the inputs' sequence (`data`, the
+    data axes, holds it); else it does nothing. Yields a list that holds where each call was; give it to
+    `attention_regions` after tracing."""
+    calls = Calls(Setting(mesh, data, method, layout))
     n = cp_size(mesh)
     if n <= 1 or CP_AXIS not in data:
         yield calls
         return
-    spec, refusal = attention_spec(mesh, data), _Refusal()
-    original = F.scaled_dot_product_attention
+    refusal = _Refusal()
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         where = _where()
         try:
-            _check(attn_mask, dropout_p, where, n)
+            _check(dropout_p, where, n)
         except ValueError as err:
             refusal.error = refusal.error or err
             raise
         calls.append(where)
-        return _mapped(mesh, spec, bool(is_causal), scale, method)(q, k, v)
+        kwargs = {"causal": bool(is_causal), "scale": scale, "where": where}
+        if isinstance(q, fx.Proxy):
+            return q.tracer.create_proxy("call_function", cp_sdpa, (q, k, v, attn_mask), kwargs)
+        return region_call(calls.setting, q, k, v, attn_mask, kwargs)  # torch.export: shapes known now
 
     F.scaled_dot_product_attention = sdpa
     try:
@@ -125,9 +221,87 @@ def attention_as_regions(mesh: Mesh, data: tuple[str, ...], method: str = "ring"
             raise refusal.error from None
         raise
     finally:
-        F.scaled_dot_product_attention = original
+        F.scaled_dot_product_attention = _SDPA
     if refusal.error is not None:
         raise refusal.error
 
 
-__all__ = ["CP_AXIS", "attention_as_regions", "attention_spec", "cp_size"]
+class Calls(list):
+    """Where each attention call of the traced model was, and the setting its regions take."""
+
+    def __init__(self, setting: Setting):
+        super().__init__()
+        self.setting = setting
+
+
+def region_call(setting: Setting, q, k, v, mask, kwargs):
+    """The region of one call on tensors (torch.export's fake ones): its mask kept as it is."""
+    spec = attention_spec(setting.mesh, setting.data)
+    m = None if mask is None else mask_spec(setting.mesh, setting.data, tuple(mask.shape), q.shape[0], q.shape[1])
+    mapped = _mapped(setting.mesh, spec, kwargs["causal"], kwargs["scale"], setting.method, setting.layout, m)
+    return mapped(q, k, v) if mask is None else mapped(q, k, v, mask)
+
+
+def attention_regions(gm: fx.GraphModule, calls: Calls) -> dict[str, int]:
+    """Each `cp_sdpa` node of `gm` becomes its region (see the module docstring), with every value's shape
+    known (`meta["val"]`): keys and values taken before a repeat to the query heads where their heads divide
+    over `tp` (`kv.repeated`), a causal mask recognised by its value (`masks.constant_mask`) and dropped, any
+    other mask split by its query rows. Returns what it did: {"calls", "unrepeated", "causal masks", "masks"}."""
+    from .kv import repeated
+    from .masks import constant_mask
+
+    s = calls.setting
+    tp = s.mesh.axis_size("tp") if _heads_axis(s.mesh) else 1
+    spec = attention_spec(s.mesh, s.data)
+    done = {"calls": 0, "unrepeated": 0, "causal masks": 0, "masks": 0}
+    calls = [(n, _call_of(n)) for n in gm.graph.nodes]
+    calls = [(n, c) for n, c in calls if c is not None]
+    if not calls:
+        return done
+    for node, (q, k, v, mask, causal, scale, where) in calls:
+        src = [repeated(x) for x in (k, v)]
+        if None not in src and src[0][1] == src[1][1] and src[0][0].meta["val"].shape[1] % tp == 0:
+            k, v = src[0][0], src[1][0]
+            done["unrepeated"] += 1
+        if mask is not None:
+            kind = constant_mask(gm, mask)
+            if kind in ("causal", "none"):
+                causal, mask = kind == "causal", None
+                done["causal masks"] += kind == "causal"
+        m = None
+        if mask is not None:
+            shape, qs = tuple(mask.meta["val"].shape), q.meta["val"].shape
+            try:
+                m = mask_spec(s.mesh, s.data, shape, qs[0], qs[1])
+            except ValueError as err:
+                raise ValueError(f"scaled_dot_product_attention at {where}: {err}") from None
+            done["masks"] += 1
+        node.target = _mapped(s.mesh, spec, causal, scale, s.method, s.layout, m)
+        node.args, node.kwargs = ((q, k, v) if mask is None else (q, k, v, mask)), {}
+        done["calls"] += 1
+    from .effects import eliminate_dead_code
+
+    eliminate_dead_code(gm.graph)
+    gm.recompile()
+    return done
+
+
+def _call_of(node: fx.Node):
+    """`(q, k, v, mask, causal, scale, where)` of an attention call: a `cp_sdpa` node (fx), or the region
+    torch.export's trace made at once (`_mapped`'s function says its `cp_call`); None for any other node."""
+    from ...spmd.mapped import ShardMapped
+    from .source import source_line
+
+    if node.target is cp_sdpa:
+        return (*node.args, node.kwargs["causal"], node.kwargs["scale"], node.kwargs["where"])
+    fn = node.target
+    if not isinstance(fn, ShardMapped) or getattr(fn.f, "cp_call", None) is None:
+        return None
+    q, k, v, *mask = node.args
+    return (q, k, v, mask[0] if mask else None, *fn.f.cp_call, source_line(node))
+
+
+__all__ = [
+    "CP_AXIS", "Calls", "attention_as_regions", "attention_regions", "attention_spec", "cp_sdpa", "cp_size",
+    "mask_spec", "zigzag", "zigzag_input",
+]  # fmt: skip

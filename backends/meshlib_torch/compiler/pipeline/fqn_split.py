@@ -234,7 +234,7 @@ def split_eager(
 
     names = call.names
     try:
-        in_layouts = input_layouts(call.tensors, options.in_specs, mesh)
+        in_layouts = input_layouts(call.tensors, options.in_specs, mesh, cp_layout=options.cp_layout)
     except ValueError as err:
         if options.uneven == "error":
             raise

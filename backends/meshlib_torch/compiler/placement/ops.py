@@ -239,7 +239,9 @@ def view(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
         if s.parts:
             out += [Strategy((s,), s.at(j)) for j in view_dims(src, dst, s.dim, s.parts)]
         else:
-            out += [Strategy((s,), Shard(*d)) for d in view_shards(src, dst, s.dim, s.groups)]
+            shards = view_shards(src, dst, s.dim, s.groups)
+            # a mirrored shard stays one where its parts still pair up (an even number of groups)
+            out += [Strategy((s,), Shard(j, g, mirror=s.mirror)) for j, g in shards if not s.mirror or g % 2 == 0]
     return out + [Strategy((PARTIAL,), PARTIAL), Strategy((R,), R)]
 
 
@@ -275,7 +277,8 @@ def expand(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
 def repeat_interleave(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     if not isinstance(v.p.get("repeats"), int) or v.p.get("dim") is None:
         return [Strategy((R,), R)]
-    return [Strategy((s,), s) for s in _shards(cur) if s.plain] + [
+    dim = v.p["dim"] % len(v.out_shape)
+    return [Strategy((s,), s) for s in _shards(cur) if s.plain or s.dim != dim] + [
         Strategy((PARTIAL,), PARTIAL),
         Strategy((R,), R),
     ]
@@ -496,11 +499,22 @@ def shard_map(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
 def region_layouts(fn, n_inputs: int, multi: bool) -> tuple[list, list]:
     """The layouts a region's specs give its `n_inputs` tensor inputs and its results (one, or a tuple):
     a P for each, or one for all (a tree prefix, as shard_map takes them)."""
-    from .annotate import spec_to_layout
-
     ins = fn.in_specs if isinstance(fn.in_specs, (list, tuple)) else (fn.in_specs,) * n_inputs
     outs = fn.out_specs if multi else (fn.out_specs,)
-    return [spec_to_layout(s, fn.mesh) for s in ins], [spec_to_layout(s, fn.mesh) for s in outs]
+    return [_layout(s, fn) for s in ins], [_layout(s, fn) for s in outs]
+
+
+def _layout(spec, fn) -> tuple[Placement, ...]:
+    """A region spec's layout; over the axis the region takes in the head-tail layout (`fn.zigzag`), its shard
+    mirrored (`Shard(dim, 2, mirror=True)`)."""
+    from .annotate import spec_to_layout
+
+    layout = spec_to_layout(spec, fn.mesh)
+    if getattr(fn, "zigzag", None) is None:
+        return layout
+    i = fn.mesh.axis_names.index(fn.zigzag)
+    p = layout[i]
+    return (*layout[:i], Shard(p.dim, 2, mirror=True), *layout[i + 1 :]) if isinstance(p, Shard) else layout
 
 
 def replicate(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:

@@ -50,7 +50,7 @@ def _whole(item, size: int) -> bool:
 def part_taken(p: Shard, size: int, start: int, end: int, step: int = 1) -> int | None:
     """The part of a dim of `size`, cut as `p` cuts it, that `[start, end)` is exactly; else None."""
     sizes = part_sizes(p, size)
-    if p.plain or sizes is None or step != 1:
+    if p.plain or p.mirror or sizes is None or step != 1:  # a mirrored part alone is no plain shard
         return None
     at = 0
     for i, s in enumerate(sizes):

@@ -6,6 +6,9 @@ projection holds whole heads of q, k and v this way). `Shard(dim, parts=w)`
 does the same for parts of unequal sizes, in the ratio `w` (lowest terms): a
 fused qkv under grouped-query attention, q of 32 rows and k and v of 16 each, is
 `Shard(0, parts=(2, 1, 1))`, and rank r of n holds rows r/n..(r+1)/n of each part.
+`Shard(dim, groups=2k, mirror=True)` hands the blocks of every second part out in reverse rank
+order: context parallelism's head-tail (zigzag) layout of a sequence is `Shard(1, 2, mirror=True)`,
+rank r of n holding chunks r and 2n-1-r of 2n (causal attention's work balanced over the ranks).
 `Replicate()` holds the whole value; `Partial()` holds a summand.
 
 A layout is a tuple of placements, one per mesh axis, in mesh order.
@@ -25,8 +28,14 @@ class Shard:
     dim: int
     groups: int = 1
     parts: tuple[int, ...] = ()  # unequal parts' sizes in lowest terms (groups stays 1), each split
+    mirror: bool = False  # odd parts' blocks in reverse rank order (the zigzag layout); groups even
 
     def __post_init__(self):
+        if self.mirror and (self.parts or self.groups < 2 or self.groups % 2):
+            raise ValueError(
+                f"Shard(dim={self.dim}, groups={self.groups}, mirror=True): a mirrored shard pairs each part with the "
+                "next, reversed (the zigzag layout), so it needs an even number of equal groups and no parts"
+            )
         if not self.parts:
             return
         w = self.parts
@@ -45,10 +54,20 @@ class Shard:
         return self.groups == 1 and not self.parts
 
     def at(self, dim: int) -> Shard:
-        """The same split (groups or parts kept) of another dim: where an op moves the dim, same size."""
-        return Shard(dim, self.groups, self.parts)
+        """The same split (groups, parts or mirror kept) of another dim: where an op moves the dim, same size."""
+        return Shard(dim, self.groups, self.parts, self.mirror)
+
+    def reversed_part(self, part: int) -> bool:
+        """Part `part` hands its blocks out in reverse rank order (every second part of a mirrored shard)."""
+        return self.mirror and part % 2 == 1
+
+    def rank_block(self, part: int, rank: int, n: int) -> int:
+        """Which of part `part`'s `n` blocks rank `rank` holds: its own, or the mirror's under `mirror`."""
+        return n - 1 - rank if self.reversed_part(part) else rank
 
     def __repr__(self) -> str:
+        if self.mirror:
+            return f"S({self.dim}/{self.groups}z)"
         if self.parts:
             return f"S({self.dim}/{':'.join(map(str, self.parts))})"
         return f"S({self.dim})" if self.groups == 1 else f"S({self.dim}/{self.groups})"

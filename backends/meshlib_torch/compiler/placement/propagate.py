@@ -37,7 +37,7 @@ class Axes:
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
-    slice_dims: tuple[tuple[str, int, int], ...] = ()  # (axis, dim, size): outputs may be sharded here
+    slice_dims: tuple[tuple[str, Shard, int], ...] = ()  # (axis, shard of a dim, its size): outputs may start one
     uneven: bool = False  # a dim that does not divide may be cut in torch.chunk's sizes (uneven="chunk")
 
 
@@ -60,7 +60,7 @@ def _choose(view: OpView, cur: list[Layout], axes: Axes, i: int, shape_after: li
     n, name = axes.sizes[i], axes.names[i]
     cur_i = [lay[i] for lay in cur]
     shape = tuple(view.out.shape) if torch.is_tensor(view.out) else ()
-    hint = [Shard(d) for a, d, size in axes.slice_dims if a == name and len(shape) > d and shape[d] == size]
+    hint = [s for a, s, size in axes.slice_dims if a == name and len(shape) > s.dim and shape[s.dim] == size]
     best, best_cost = None, INF
     for strat in RULES.get(view.kind, RULES["unknown"])(view, cur_i, hint):
         if not fits(view, strat, n, shape_after, axes.uneven, cut):

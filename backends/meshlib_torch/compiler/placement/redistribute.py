@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..capture.attention import CP_AXIS
 from ..capture.source import source_line
 from ..capture.values import run_dtype
 from .placements import PARTIAL, Layout, Pending, R, Replicate, Shard, bus_bytes, kind, natural_grad
@@ -205,8 +206,10 @@ def _insert(gm, specs, x, have, need, grad_dst, first_user, val=None, grad_out=(
 def data_gathers(specs: list[CommSpec], plans: dict[fx.Node, NodePlan], axes: Axes, data: tuple[str, ...]):
     """The inserted collectives that gather a batch-dependent value over a data axis in forward (an
     all-gather or all-to-all there): from that op on every rank of the axis computes the whole batch.
-    A gather into the graph's output (a returned activation) collapses no computation and is left out.
-    Returns `(spec, axis, no_rule)` for each."""
+    A gather into the graph's output (a returned activation) collapses no computation and is left out, and
+    so is one over `cp` of integers nothing differentiates (token ids, labels, positions: a model that
+    shifts its labels along the sequence, as transformers' loss does, reads the neighbouring rank's first
+    label; B·S integers, in the plan). Returns `(spec, axis, no_rule)` for each."""
     batch = batch_dependence(plans, axes)
     by_name = {n.name: n for n in plans}
     out = []
@@ -217,7 +220,8 @@ def data_gathers(specs: list[CommSpec], plans: dict[fx.Node, NodePlan], axes: Ax
             continue
         for k, axis, _a, _b in spec.steps(axes, "forward"):
             i = axes.names.index(axis)
-            if axis in data and k in ("all_gather", "all_to_all") and batch[node][i]:
+            bookkeeping = axis == CP_AXIS and not spec.dtype.is_floating_point and not spec.requires_grad
+            if axis in data and k in ("all_gather", "all_to_all") and batch[node][i] and not bookkeeping:
                 out.append((spec, axis, plans[consumer].replicated_fallback))
     return out
 

@@ -175,7 +175,7 @@ def shard_indices(shape, layout: Layout, sizes, coords) -> list[torch.Tensor]:
                 idx[p.dim] = d.narrow(0, *chunk_rows(d.numel(), n, c))
                 continue
             pieces = d.split(list(part_sizes(p, d.numel())))
-            idx[p.dim] = torch.cat([piece.reshape(n, -1)[c] for piece in pieces])
+            idx[p.dim] = torch.cat([piece.reshape(n, -1)[p.rank_block(i, c, n)] for i, piece in enumerate(pieces)])
     return idx
 
 

@@ -134,10 +134,12 @@ class TargetCounts:
 
 
 def _every_rank_part(x: torch.Tensor, layout, axes) -> list[torch.Tensor]:
-    """The part of a global input each coordinate of the axes that split it holds."""
+    """The rows of a global input each coordinate of the axes that split its batch (dim 0) holds, every other
+    dim whole: the recipe's pads and slices act on those (a label shift along a sequence split over `cp`
+    reads the neighbouring rank's first label)."""
     parts = [x]
     for p, n in zip(layout, axes.sizes):
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) and p.dim == 0:
             parts = [local_slice(part, p, c, n) for part in parts for c in range(n)]
     return parts
 

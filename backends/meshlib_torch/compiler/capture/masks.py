@@ -1,0 +1,84 @@
+"""An attention mask that is a constant of the model, recognised by its value.
+
+transformers builds the causal mask from the positions (`masking_utils.sdpa_mask`) whenever it is traced,
+where an eager run would pass `is_causal=True` instead: it cannot tell that no padding mask will come. Such a
+mask depends on no input (the folded shapes aside), so it can be computed once while compiling, on the CPU,
+and compared with the causal pattern. Recognised, the call runs as causal attention: context parallelism
+then moves and stores no mask and skips the blocks a causal mask hides entirely.
+
+`constant_mask(gm, node)` is "causal" (True on and below the diagonal, or 0 there and a value that no score
+survives above it: -inf, or at most half the dtype's lowest), "none" (every key allowed everywhere),
+or None (it reads an input or a parameter, is larger than `LIMIT` elements, or is any other mask).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+__all__ = ["LIMIT", "constant_mask"]
+
+LIMIT = 1 << 26  # elements a mask (or any value it is computed from) may have to be evaluated while compiling
+
+
+def constant_mask(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    value = _evaluate(gm, node)
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-1] != value.shape[-2]:
+        return None
+    s = value.shape[-1]
+    lower = torch.ones(s, s, dtype=torch.bool).tril().expand(value.shape)
+    if value.dtype == torch.bool:
+        allowed = value
+    elif value.is_floating_point():
+        low = torch.finfo(value.dtype).min / 2
+        blocked = (value == float("-inf")) | (value <= low)
+        if not bool(((value == 0) | blocked).all()):
+            return None
+        allowed = value == 0
+    else:
+        return None
+    if bool(allowed.all()):
+        return "none"
+    return "causal" if bool((allowed == lower).all()) else None
+
+
+def _evaluate(gm: fx.GraphModule, node: fx.Node):
+    """The value of `node` computed on the CPU from its ancestors, or None where one of them is an input, a
+    parameter or buffer that holds no values (meta), a region, or too large."""
+    needed, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        val = n.meta.get("val")
+        if n.op in ("placeholder", "call_module", "output") or (isinstance(val, torch.Tensor) and val.numel() > LIMIT):
+            return None
+        if n.op == "get_attr":
+            attr = _attr(gm, n.target)
+            if not isinstance(attr, torch.Tensor) or attr.is_meta or attr.requires_grad:
+                return None
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    graph, env = fx.Graph(), {}
+    for n in gm.graph.nodes:
+        if n in needed:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+            env[n].args = fx.node.map_aggregate(env[n].args, _on_cpu)
+            env[n].kwargs = fx.node.map_aggregate(env[n].kwargs, _on_cpu)
+    graph.output(env[node])
+    try:
+        with torch.no_grad():
+            return fx.GraphModule(gm, graph)()
+    except Exception:  # an op that cannot run here: the mask is then not recognised, and kept as it is
+        return None
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _on_cpu(a):
+    return torch.device("cpu") if isinstance(a, torch.device) else a
