@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import real_models as rm
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import meshlib as ml
@@ -315,3 +316,101 @@ def test_transformers_models_on_cp_train_as_the_unmodified_model(name, mesh):
         assert_same(_REFERENCES[key], rank, rtol=tol, atol=tol, loss_tol=1e-6)
     note = dict(got[0].plan.notes)["context parallelism"]
     assert "2 causal masks recognised" in note and "2 with their key/value heads unrepeated" in note, note
+
+
+# -- masks: packed documents, sliding windows ------------------------------------------------------------
+class PackedAttention(nn.Module):
+    """Documents packed into each row, given by per-token document ids: attention never crosses a document
+    (causal within it), the mask built from the ids as such models build it."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.emb, self.qkv, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
+
+    def forward(self, ids, doc_ids, targets):
+        b, s = ids.shape
+        h = self.emb(ids)
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        same = doc_ids[:, None, :, None] == doc_ids[:, None, None, :]
+        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=same & causal)
+        logits = self.out(h + y.transpose(1, 2).reshape(b, s, -1))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build_packed() -> nn.Module:
+    torch.manual_seed(0)
+    return PackedAttention().double()
+
+
+def rules_whole(mesh):
+    return ml.pattern_rules({}, default=ml.P())
+
+
+def packed_batch(step: int) -> tuple:
+    """Rows of 16 tokens holding documents of random lengths (ids increase along each row)."""
+    g = torch.Generator().manual_seed(300 + step)
+    ids = torch.randint(0, 64, (4, 16), generator=g)
+    starts = torch.rand(4, 16, generator=g) < 0.25
+    starts[:, 0] = True
+    return ids, starts.long().cumsum(1), torch.roll(ids, -1, 1)
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("mesh", ["cp=2", "dp=2,cp=2", "cp=4"])
+def test_packed_documents_on_cp_train_as_the_single_process(mesh):
+    """A boolean mask built from per-token document ids (split over cp like the tokens): the region takes it
+    split by query rows, every key column, and attention never crosses a document; fp64 parity to 1e-12."""
+    trial = Trial(build_packed, packed_batch, mesh=mesh, rules=rules_whole, lr=1e-3)
+    if "packed" not in _REFERENCES:
+        _REFERENCES["packed"] = run_single(trial)
+    got = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)
+    for rank in got:
+        assert_same(_REFERENCES["packed"], rank, rtol=1e-12, atol=1e-12)
+    assert "1 with their mask split by query rows" in dict(got[0].plan.notes)["context parallelism"]
+
+
+def build_hf_mistral() -> nn.Module:
+    """transformers' Mistral with a sliding window of 5 tokens over rows of 16 (GQA: 4 and 2 heads), fp64."""
+    tf = rm._quiet_transformers()
+    cfg = tf.MistralConfig(
+        vocab_size=rm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=5, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.MistralForCausalLM(cfg).to(torch.float64).train()
+
+
+def hf_packed_batch(step: int) -> dict:
+    """transformers' packed rows: `position_ids` restarting at 0 where each document begins, no attention
+    mask (its masking utilities then build the block-diagonal causal mask from the positions)."""
+    ids, docs, _ = packed_batch(step)
+    ids = ids % rm.VOCAB
+    first = torch.cat([torch.ones(4, 1, dtype=torch.bool), docs[:, 1:] != docs[:, :-1]], 1)
+    start = torch.where(first, torch.arange(16).expand(4, 16), torch.zeros(4, 16, dtype=torch.long)).cummax(1).values
+    positions = torch.arange(16).expand(4, 16) - start
+    # without a cache: transformers reads packing from the positions only then (a training loop's setting)
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions, "use_cache": False}
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("name, batch_fn", [("mistral", rm.hf_batch), ("llama", hf_packed_batch)])
+def test_transformers_sliding_windows_and_packed_rows_on_cp_train_as_the_unmodified_model(name, batch_fn):
+    """Masks transformers builds itself: Mistral's sliding window (5 tokens) and Llama's packed rows (positions
+    restarting per document), on cp=2: the masks go into the ring split by query rows; fp64 parity (the fp32
+    loss to 1e-6)."""
+    build = {"mistral": build_hf_mistral, "llama": build_hf_llama}[name]
+    trial = Trial(build, batch_fn, mesh="cp=2", rules=rules_hf, loss="loss", lr=1e-3)
+    ref = run_single(trial)
+    got = get_pool(2).run(run_parallel, trial)
+    for rank in got:
+        assert_same(ref, rank, rtol=1e-12, atol=1e-12, loss_tol=1e-6)
+    assert "2 with their mask split by query rows" in dict(got[0].plan.notes)["context parallelism"]
+    if name == "llama":  # the documents do change the result: packing is not ignored
+        assert abs(run_single(Trial(build, _unpacked, loss="loss", lr=1e-3)).losses[0] - ref.losses[0]) > 1e-4
+
+
+def _unpacked(step: int) -> dict:
+    batch = hf_packed_batch(step)
+    return batch | {"position_ids": torch.arange(16).expand(4, 16)}
