@@ -24,7 +24,7 @@ from .graph import compile_graph
 from .pipeline.compile import compile_pipeline
 from .placement.placements import Shard
 from .placement.shapes import ragged_dims
-from .program import Compiled, input_layouts
+from .program import Compiled, input_layouts, shard_axes
 
 
 def compile_model(
@@ -75,6 +75,7 @@ def compile_model(
         plan = compiled.plan.replace(collectives=tuple(step_collectives(compiled, m)), microbatches=m)
         compiled = dataclasses.replace(compiled, plan=plan)
     _check_axes_used(compiled, pipe.pp_axis, par.idle_axes)
+    _check_fsdp_axes(compiled)
     if m > 1 and expert_modules(model):
         note = (
             "routing statistics, and a load-balancing loss computed from them, are each microbatch's (as "
@@ -84,6 +85,28 @@ def compile_model(
         plan = compiled.plan.replace(notes=(*compiled.plan.notes, ("MoE", note)))
         compiled = dataclasses.replace(compiled, plan=plan)
     return compiled
+
+
+def _check_fsdp_axes(compiled: Compiled) -> None:
+    """ZeRO-2/3 hand each parameter to FSDP2 over the data axes it is summed over; FSDP2 flattens those axes
+    into one only where they are neighbours in the mesh (`_fsdp_param._build_spmd_sharding_spec` walks the
+    mesh and replaces a consecutive run). Refuse, naming the order that works, before any process group."""
+    if compiled.options.zero < 2:
+        return
+    names = [a for a in compiled.mesh.axis_names if compiled.mesh.axis_size(a) > 1]
+    for name in compiled.traced.params:
+        axes = [a for a in shard_axes(compiled, name) if a in names]
+        at = [names.index(a) for a in axes]
+        if at and at != list(range(at[0], at[0] + len(at))):
+            between = [a for a in names[at[0] : at[-1] + 1] if a not in axes]
+            order = [a for a in names if a not in axes and names.index(a) < at[0]] + axes
+            order += [a for a in names if a not in order]
+            raise ValueError(
+                f"zero={compiled.options.zero}: parameter {name!r} is sharded over the data axes {axes}, which "
+                f"{between} separates in the mesh ({', '.join(names)}); FSDP2 shards over data axes that are "
+                f"neighbours in the mesh. Fix: order the mesh as {', '.join(order)} (e.g. "
+                f"{','.join(f'{a}={compiled.mesh.axis_size(a)}' for a in order)})"
+            )
 
 
 def _check_ragged_batch(layouts: dict, mesh: Mesh, call: Call, microbatches: int) -> None:

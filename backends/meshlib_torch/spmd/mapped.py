@@ -38,6 +38,9 @@ class ShardMapped:
         # the mesh axis whose sequence shards the region takes in the head-tail layout (context parallelism's
         # attention, `compiler.capture.attention`); None: every shard is JAX's block
         self.zigzag: str | None = None
+        # axes over which the region's rows (dim 0 of its row inputs and results) may come in any order
+        # (per-row code: mixture-of-experts layers), as the first input holds them
+        self.any_rows: tuple[str, ...] = ()
         self._eager = eager
         functools.update_wrapper(self, f)
 

@@ -123,6 +123,9 @@ def experts_as_regions(model: nn.Module, mesh: Mesh, data: tuple[str, ...], capa
         _with(experts_ep, axis, capacity_factor), mesh=mesh, in_specs=(tokens, tokens, tokens, weights, weights),
         out_specs=tokens,
     )  # fmt: skip
+    # experts compute each token alone: over `cp` its tokens may come in any order (the batch and the head-tail
+    # chunks of the sequence, merged: `Shard(0, groups, mirror)`), so no row moves to reach the region
+    mapped.any_rows = ("cp",)
     patched = expert_modules(model)
     for mod in patched.values():
         mod.forward = _region_forward(mod, mapped)

@@ -492,8 +492,14 @@ def shard_map(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:
     this axis, its results as its out specs do; nothing else."""
     fn = v.p["fn"]
     ins, outs = region_layouts(fn, len(v.tensors), isinstance(v.out, (list, tuple)))
-    out = tuple(lay[v.axis] for lay in outs)
-    return [Strategy(tuple(lay[v.axis] for lay in ins), out if isinstance(v.out, (list, tuple)) else out[0])]
+    ins, out = [lay[v.axis] for lay in ins], [lay[v.axis] for lay in outs]
+    held = cur[0] if cur else None
+    if fn.mesh.axis_names[v.axis] in getattr(fn, "any_rows", ()) and isinstance(held, Shard) and held.dim == 0:
+        # per-row code: its rows may come in the order the first input holds them (tokens merged from a
+        # sequence split in head-tail chunks), every row input and the results alike
+        ins = [held if p == Shard(0) else p for p in ins]
+        out = [held if p == Shard(0) else p for p in out]
+    return [Strategy(tuple(ins), tuple(out) if isinstance(v.out, (list, tuple)) else out[0])]
 
 
 def region_layouts(fn, n_inputs: int, multi: bool) -> tuple[list, list]:
