@@ -11,7 +11,8 @@ JAX: a reduction drops its axes, `all_gather` keeps them and `all_gather_invaria
 - gathers and scatters: `all_gather`, `all_gather_invariant`, `psum_scatter`
 - exchanges: `all_to_all`, `ppermute`, `ragged_all_to_all` (dropless expert parallelism; `price=`
   `Bound(rows)` or `Expected(rows)` tells a dry run how many rows this rank sends)
-- meshlib's extension, which JAX has not: `all_to_all_v`, an exchange of row counts known on the host
+- meshlib's extensions, which JAX has not: `all_to_all_v`, an exchange of row counts known on the host;
+  `ppermute_start`, a ppermute that runs while the caller computes (`Pending.wait()` finishes it)
 - where this shard is: `axis_index`, `axis_size`
 - typing: `pcast(x, axes, to="varying")` (jax 0.10 removed `pvary` in favour of it)
 
@@ -32,8 +33,9 @@ from .spmd.region import Axes, Region, current, user_line
 from .spmd.vma import pvary, set_vma, vma
 
 __all__ = [
-    "Bound", "Expected", "all_gather", "all_gather_invariant", "all_to_all", "all_to_all_v", "axis_index",
-    "axis_size", "pcast", "pmax", "pmean", "pmin", "ppermute", "psum", "psum_scatter", "ragged_all_to_all",
+    "Bound", "Expected", "Pending", "all_gather", "all_gather_invariant", "all_to_all", "all_to_all_v", "axis_index",
+    "axis_size", "pcast", "pmax", "pmean", "pmin", "ppermute", "ppermute_start", "psum", "psum_scatter",
+    "ragged_all_to_all",
 ]  # fmt: skip
 
 
@@ -193,22 +195,72 @@ def ppermute(x, axis_name, perm):
 
     Over a tuple of axes the indices count ranks in mesh order whatever the tuple's order, as jax's
     lowering does (it sorts the group's devices); `axis_index` follows the tuple's order."""
-    region, axes, call = _start("ppermute", axis_name)
-    axes = region.axes(tuple(a for a in region.mesh.axis_names if a in axes.names), "ppermute")
-    pairs = tuple((int(s), int(d)) for s, d in perm)
-    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
-    bad = [p for p in pairs if not all(0 <= i < axes.size for i in p)]
-    if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-        raise ValueError(
-            f"lax.ppermute over {axes.names} at {call.source}: perm {list(pairs)} must pair indices in "
-            f"[0, {axes.size}) with each source and each destination at most once"
-        )
+    region, axes, call, pairs = _permutation("ppermute", axis_name, perm)
 
     def leaf(t):
         t = _operand(region, t, axes, call, "ppermute")
         return _apply(region, C.Permute, t, region, axes, call, pairs, varies=vma(t))
 
     return optree.tree_map(leaf, x)
+
+
+def ppermute_start(x, axis_name, perm) -> Pending:
+    """meshlib's extension (JAX has none: XLA schedules its collectives asynchronously by itself): `ppermute`
+    begun, not finished. Returns a `Pending` at once, while the bytes move; its `wait()` gives what
+    `ppermute(x, axis_name, perm)` would. Compute issued in between overlaps the transfer:
+
+        pending = lax.ppermute_start(kv, "cp", ring)   # the next hop, under way
+        out = attend(q, kv)                            # this hop's block, meanwhile
+        kv = pending.wait()
+
+    Backward likewise: the wait's backward begins the inverse permutation of the cotangent and the start's
+    finishes it, so the gradient travels while autograd runs the nodes recorded between the two (it runs
+    later-recorded nodes first). Counted and recorded as `ppermute` (kind "send_recv"), the same bytes.
+    Call `wait()` on every rank, in the same order relative to the other collectives of the group."""
+    region, axes, call, pairs = _permutation("ppermute", axis_name, perm)
+
+    def leaf(t):
+        t = _operand(region, t, axes, call, "ppermute")
+        hop = C.Hop(region, axes, call, pairs)
+        return _apply(region, C.PermuteStart, t, hop, varies=vma(t)), hop
+
+    leaves, treedef = optree.tree_flatten(x)
+    return Pending(region, treedef, [leaf(t) for t in leaves])
+
+
+class Pending:
+    """A `ppermute_start` under way; `wait()` finishes it and returns the permuted values (the same ones if
+    called again)."""
+
+    __slots__ = ("_done", "_hops", "_region", "_treedef")
+
+    def __init__(self, region: Region, treedef, hops: list):
+        self._region, self._treedef, self._hops, self._done = region, treedef, hops, None
+
+    def __repr__(self) -> str:
+        return f"Pending(ppermute of {len(self._hops)} tensors, {'done' if self._done is not None else 'under way'})"
+
+    def wait(self):
+        if self._done is None:
+            outs = [_apply(self._region, C.PermuteWait, token, hop, varies=vma(token)) for token, hop in self._hops]
+            self._done, self._hops = optree.tree_unflatten(self._treedef, outs), []
+        return self._done
+
+
+def _permutation(op: str, axis_name, perm) -> tuple[Region, Axes, Call, tuple]:
+    """(region, axes in mesh order, call, pairs) of a ppermute, `perm` checked: indices in range, each
+    source and each destination at most once."""
+    region, axes, call = _start(op, axis_name)
+    axes = region.axes(tuple(a for a in region.mesh.axis_names if a in axes.names), op)
+    pairs = tuple((int(s), int(d)) for s, d in perm)
+    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
+    bad = [p for p in pairs if not all(0 <= i < axes.size for i in p)]
+    if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ValueError(
+            f"lax.{op} over {axes.names} at {call.source}: perm {list(pairs)} must pair indices in "
+            f"[0, {axes.size}) with each source and each destination at most once"
+        )
+    return region, axes, call, pairs
 
 
 def ragged_all_to_all(

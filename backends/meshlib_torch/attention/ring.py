@@ -11,11 +11,14 @@ Bytes per rank (counted in `COUNTER` as kind "send_recv"): forward cp-1 hops of 
 (`lax.ppermute`'s backward is the inverse permutation), so the gradients of K and V travel back around the
 ring, each rank adding its blocks' contribution as they pass. `doc_ids` are gathered once (B*S ints).
 
-Overlap: the next hop is issued before the current block is computed, the order an asynchronous ppermute
-would overlap. The eager backend's ppermute is a blocking `all_to_all_single` (on gloo the call returns when
-the bytes have arrived; on NCCL the compute stream waits for it), so today the hop and the block run one after
-the other; the backward's hops are ordered by autograd. Memory: autograd keeps every block's scores for the
-backward (no recomputation yet), (S/cp) x S per head and rank in all.
+Overlap: each hop is asynchronous (`lax.ppermute_start`: torch.distributed's `all_to_all_single` with
+`async_op=True`, gloo and NCCL alike). The next hop is begun before the current block is computed and waited
+for after it, so the transfer runs while the block does. In backward the hop's wait begins sending the
+gradient of the shard that arrived back around the ring, and its start waits for it; autograd runs the nodes
+recorded later first, so the block computed between them (its backward) runs while that gradient travels.
+Waits are bounded by the process group's timeout. Memory: autograd keeps every block's scores for the
+backward (no recomputation yet), (S/cp) x S per head and rank in all, and a hop holds one more K/V shard (the
+one arriving) while the current one is used.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ def ring_attention(
     kv = torch.stack([k, v])
     acc = [None] * len(shards.starts(p.rank))
     for step in range(n):
-        arriving = lax.ppermute(kv, axis, ring) if step + 1 < n else None  # the next hop, issued first
-        used = attend_shard(p, acc, kv, (p.rank - step) % n)
-        last, kv = kv, arriving
+        arriving = lax.ppermute_start(kv, axis, ring) if step + 1 < n else None  # the next hop, under way...
+        used = attend_shard(p, acc, kv, (p.rank - step) % n)  # ...while this block is computed
+        last, kv = kv, arriving.wait() if arriving is not None else None
     out = finish(p, acc, q.dtype)
     return out if used or n == 1 else _Tie.apply(out, last)
 

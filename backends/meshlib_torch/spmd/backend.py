@@ -18,6 +18,7 @@ A backend has `abstract` (True: meta tensors) and these primitives. `axes` is a 
     reduce_scatter(x, axes, dim, call)       the sum, cut along dim; this rank's block
     all_to_all(x, axes, split, concat, call) block j of split goes to rank j; received along concat
     permute(x, axes, pairs, call)            (source, dest) pairs of group indices; zeros if none
+    permute_start(x, axes, pairs, call)      the same permute begun: an `InFlight` whose `wait()` gives it
     ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes, call)
     all_to_all_v(x, axes, send_rows, recv_rows, call)  rows of x in blocks of send_rows[j] to index j; the
                                              blocks received (recv_rows[j] from j) in index order
@@ -37,7 +38,7 @@ from ..torch_private import in_backward
 from .records import Bound, Call, Record
 from .region import Axes
 
-__all__ = ["MetaBackend", "nbytes", "phase"]
+__all__ = ["InFlight", "MetaBackend", "nbytes", "phase"]
 
 
 def nbytes(x: torch.Tensor) -> int:
@@ -46,6 +47,29 @@ def nbytes(x: torch.Tensor) -> int:
 
 def phase() -> str:
     return "backward" if in_backward() else "forward"
+
+
+class InFlight:
+    """A collective under way (`permute_start`): `wait()` blocks until it is done and returns its result,
+    the tensor it writes into. `work` is torch.distributed's handle (None: already done, as on meta
+    tensors); `keep` holds what the transfer reads until then. The wait is bounded by the process group's
+    timeout, as a blocking collective is: gloo fails the operation after it and NCCL's watchdog aborts it.
+    Waiting again returns the same tensor."""
+
+    __slots__ = ("_keep", "_result", "_work")
+
+    def __init__(self, result: torch.Tensor, work=None, keep=None):
+        self._result, self._work, self._keep = result, work, keep
+
+    def __repr__(self) -> str:
+        state = "done" if self._work is None else "under way"
+        return f"InFlight({tuple(self._result.shape)}, {self._result.dtype}, {state})"
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work, self._keep = None, None
+        return self._result
 
 
 def _resized(x: torch.Tensor, scale: dict[int, tuple[int, int]]) -> torch.Tensor:
@@ -93,8 +117,11 @@ class MetaBackend:
         return _resized(x, {split: (1, axes.size), concat: (axes.size, 1)})
 
     def permute(self, x, axes: Axes, pairs, call: Call):
+        return self.permute_start(x, axes, pairs, call).wait()
+
+    def permute_start(self, x, axes: Axes, pairs, call: Call) -> InFlight:
         self._note(call, "send_recv", axes, nbytes(x))
-        return torch.empty_like(x, device="meta")
+        return InFlight(torch.empty_like(x, device="meta"))
 
     def ragged_all_to_all(self, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes, call):
         self._note(call, "all_to_all", axes, nbytes(output_offsets))  # where each slice lands

@@ -20,7 +20,8 @@ from .records import Call
 from .region import Axes, Region
 
 __all__ = [
-    "AllGather", "AllGatherInvariant", "AllToAll", "AllToAllV", "Permute", "Psum", "PsumScatter", "Ragged", "Reduce",
+    "AllGather", "AllGatherInvariant", "AllToAll", "AllToAllV", "Hop", "Permute", "PermuteStart", "PermuteWait", "Psum",
+    "PsumScatter", "Ragged", "Reduce",
 ]  # fmt: skip
 
 
@@ -133,6 +134,58 @@ class Permute(_Collective):
     def backward(ctx, grad):
         inverse = tuple((d, s) for s, d in ctx.pairs)
         return ctx.backend.permute(grad, ctx.axes, inverse, ctx.call), None, None, None, None
+
+
+class Hop:
+    """One asynchronous ppermute of one tensor (`lax.ppermute_start`): what its start and its wait share.
+    `sent` is the forward transfer under way (`backend.InFlight`), `returned` the backward's: the cotangent
+    sent back by the inverse permutation, begun by the wait's backward and finished by the start's."""
+
+    __slots__ = ("axes", "call", "pairs", "region", "returned", "sent")
+
+    def __init__(self, region: Region, axes: Axes, call: Call, pairs: tuple):
+        self.region, self.axes, self.call, self.pairs = region, axes, call, pairs
+        self.sent = self.returned = None
+
+    def inverse(self) -> tuple:
+        return tuple((d, s) for s, d in self.pairs)
+
+
+class PermuteStart(Function):
+    """ppermute, begun: starts the transfer of `x` and returns a token (an empty tensor) for `PermuteWait`,
+    so that autograd orders the two. Backward: waits for the cotangent `PermuteWait`'s backward sent back
+    (the token's own gradient is empty), which travelled while autograd ran the nodes between them."""
+
+    @staticmethod
+    def forward(ctx, x, hop: Hop):
+        ctx.hop = hop
+        hop.sent = hop.region.backend.permute_start(x, hop.axes, hop.pairs, hop.call)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, token_grad):
+        hop = ctx.hop
+        returned, hop.returned = hop.returned, None
+        if returned is None:  # only if autograd skipped the wait's backward, which it runs first
+            raise RuntimeError(f"lax.ppermute_start at {hop.call.source}: its wait's backward did not run first")
+        return returned.wait(), None
+
+
+class PermuteWait(Function):
+    """ppermute, finished: waits for the transfer `PermuteStart` began and returns what arrived. Backward:
+    begins the inverse permutation of the cotangent and returns at once; `PermuteStart`'s backward waits."""
+
+    @staticmethod
+    def forward(ctx, token, hop: Hop):
+        ctx.hop = hop
+        sent, hop.sent = hop.sent, None
+        return sent.wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        hop = ctx.hop
+        hop.returned = hop.region.backend.permute_start(grad, hop.axes, hop.inverse(), hop.call)
+        return grad.new_empty(0), None
 
 
 class Ragged(_Collective):

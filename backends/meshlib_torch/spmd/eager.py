@@ -4,9 +4,10 @@ A group over several axes is `runtime.dist.group` over them in mesh order; an ax
 them in another order (JAX allows `("tp", "dp")`) only renumbers the ranks, so blocks are put in the
 order the name gives (`order[i]`: the group rank of the name's index `i`). A point-to-point permute
 and a ragged exchange are one `all_to_all_single` with split sizes (zero for ranks it skips), which
-both backends run without send/recv pairing. Every call is counted in `COUNTER`: logical bytes per
-rank (an all-gather its output, a reduce-scatter its input, a ragged exchange the rows it sends, an
-all_to_all_v the rows it sends to other ranks).
+both backends run without send/recv pairing; `permute_start` issues the permute with `async_op=True` and
+returns at once (`backend.InFlight`: its `wait()` finishes it), so the bytes move while the caller computes.
+Every call is counted in `COUNTER`: logical bytes per rank (an all-gather its output, a reduce-scatter
+its input, a ragged exchange the rows it sends, an all_to_all_v the rows it sends to other ranks).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from meshlib import Mesh
 
 from ..runtime import dist
 from ..runtime.comm import COUNTER, CommCounter
-from .backend import nbytes, phase
+from .backend import InFlight, nbytes, phase
 from .records import Call
 from .region import Axes
 
@@ -112,6 +113,10 @@ class EagerBackend:
         return _merge(out[order], concat)
 
     def permute(self, x, axes: Axes, pairs, call: Call):
+        return self.permute_start(x, axes, pairs, call).wait()
+
+    def permute_start(self, x, axes: Axes, pairs, call: Call) -> InFlight:
+        """The permute begun (`async_op=True`): the bytes move while the caller computes, until `wait()`."""
         pg, order, _ = self._group(axes)
         self._count(call, "send_recv", axes, nbytes(x))
         me, size = self.index(axes), x.numel()
@@ -120,9 +125,10 @@ class EagerBackend:
         sends = [size if dest is not None and j == order[dest] else 0 for j in range(axes.size)]
         recvs = [size if source is not None and j == order[source] else 0 for j in range(axes.size)]
         flat = x.contiguous().reshape(-1) if dest is not None else x.new_empty(0)
-        out = x.new_zeros(sum(recvs))
-        c10d.all_to_all_single(out, flat, recvs, sends, group=pg)
-        return out.reshape(x.shape) if source is not None else torch.zeros_like(x)
+        out = x.new_empty(x.shape) if source is not None else torch.zeros_like(x)
+        into = out.view(-1) if source is not None else x.new_empty(0)
+        work = c10d.all_to_all_single(into, flat, recvs, sends, group=pg, async_op=True)
+        return InFlight(out, work, (flat, into))
 
     def ragged_all_to_all(self, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes, call):
         pg, order, inverse = self._group(axes)
