@@ -37,21 +37,69 @@ _NEG = float("-inf")
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias, allowed) -> tuple:
     """(out, lse) of queries q (B, Hkv, G, rows, D) over keys k and values v (B, Hkv, cols, D), in q's
     dtype: `bias` added to the scores, `allowed` (bool) False where a score is masked; each None or
-    broadcastable to (B, Hkv, G, rows, cols). out is (B, Hkv, G, rows, D), lse (B, Hkv, G, rows, 1)."""
-    b, kv_heads, group, rows, d = q.shape
+    broadcastable to (B, Hkv, G, rows, cols). out is (B, Hkv, G, rows, D), lse (B, Hkv, G, rows, 1).
+
+    Memory: the block's scores live only while it is computed; backward computes them again from q, k, v
+    and the block's out and lse (`_Block`, flash attention's recomputation), so what a rank keeps for
+    backward grows with its tokens, not with (S/cp) x S scores."""
     k, v = k.to(q.dtype), v.to(q.dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Block.apply(q, k, v, scale, bias, allowed)
+    return _scores_out(q, k, v, scale, bias, allowed)[1:]
+
+
+def _scores(q, k, scale: float, bias, allowed) -> torch.Tensor:
+    """Masked scores (B, Hkv, G, rows, cols): -inf where not allowed."""
+    b, kv_heads, group, rows, d = q.shape
     s = (q.reshape(b, kv_heads, group * rows, d) @ k.transpose(-1, -2)).view(b, kv_heads, group, rows, -1) * scale
     if bias is not None:
         s = s + bias
-    if allowed is not None:
-        s = s.masked_fill(~allowed, _NEG)
-    top = s.detach().amax(-1, keepdim=True)
+    return s if allowed is None else s.masked_fill(~allowed, _NEG)
+
+
+def _scores_out(q, k, v, scale: float, bias, allowed) -> tuple:
+    """(probabilities, out, lse) of one block, from its scores with their row max subtracted."""
+    b, kv_heads, group, rows, _ = q.shape
+    s = _scores(q, k, scale, bias, allowed)
+    top = s.amax(-1, keepdim=True)
     top = torch.where(top.isfinite(), top, 0)  # a row that sees no key: its exponentials are all 0
     e = torch.exp(s - top)
     total = e.sum(-1, keepdim=True)
     safe = torch.where(total > 0, total, 1)
     out = (e.view(b, kv_heads, group * rows, -1) @ v).view(b, kv_heads, group, rows, v.shape[-1]) / safe
-    return out, torch.where(total > 0, top + torch.log(safe), _NEG)
+    return e / safe, out, torch.where(total > 0, top + torch.log(safe), _NEG)
+
+
+class _Block(torch.autograd.Function):
+    """One block's (out, lse), keeping q, k, v, out and lse for backward and not the scores.
+
+    With P = exp(S - lse) the block's probabilities, dO and dlse the gradients of out and lse (the merge uses
+    both): dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ out) + dlse), dQ = dS K · scale, dK = dSᵀ Q · scale."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, bias, allowed):
+        _, out, lse = _scores_out(q, k, v, scale, bias, allowed)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.bias, ctx.allowed = scale, bias, allowed
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        b, kv_heads, group, rows, d = q.shape
+        s = _scores(q, k, ctx.scale, ctx.bias, ctx.allowed)
+        p = torch.where(lse.isfinite(), torch.exp(s - torch.where(lse.isfinite(), lse, 0)), 0)
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+        flat_p, flat_go = p.view(b, kv_heads, group * rows, -1), grad_out.reshape(b, kv_heads, group * rows, -1)
+        grad_v = flat_p.transpose(-1, -2) @ flat_go
+        dp = (flat_go @ v.transpose(-1, -2)).view_as(p)
+        shift = (grad_out * out).sum(-1, keepdim=True)
+        if grad_lse is not None:
+            shift = shift - grad_lse
+        ds = (p * (dp - shift)).view(b, kv_heads, group * rows, -1)
+        grad_q = (ds @ k).view_as(q) * ctx.scale
+        grad_k = ds.transpose(-1, -2) @ q.reshape(b, kv_heads, group * rows, d) * ctx.scale
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 def merge(a: tuple, b: tuple) -> tuple:
