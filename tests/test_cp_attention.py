@@ -389,3 +389,33 @@ def test_bad_arguments_are_named_with_their_fix():
         _dry(ulysses_attention, shapes=[q, kv, kv])
     with pytest.raises(ValueError, match=r"query heads \(6\).*a 'cp' axis whose size divides 6"):
         _dry(ulysses_attention, shapes=[(B, 6, 4, D), (B, 6, 4, D), (B, 6, 4, D)])
+
+
+@pytest.mark.parametrize("tile", [7, 1 << 20])
+def test_a_block_keeps_no_scores_and_equals_softmax_attention_in_tiles(monkeypatch, tile):
+    """`local.attend` (one block: (out, lse), recomputing its scores in backward, a tile of query rows at a time)
+    against softmax attention written out and differentiated by autograd: GQA (2 key/value heads, groups of 2),
+    a bias and a causal boolean mask, gradients through both out and lse (the merge uses both); fp64, 1e-12.
+    With tiles of 7 scores' rows the block runs in uneven tiles."""
+    from meshlib_torch.attention import local
+
+    monkeypatch.setattr(local, "TILE", tile)
+    g = torch.Generator().manual_seed(7)
+    b, kv, grp, rows, cols, d = 2, 2, 2, 6, 9, 4
+    q = torch.randn(b, kv, grp, rows, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, kv, cols, d, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv, cols, d, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, 1, 1, rows, cols, generator=g, dtype=torch.float64)
+    allowed = torch.arange(cols)[None, :] <= torch.arange(rows)[:, None] + 3
+    ct, cl = torch.randn(b, kv, grp, rows, d, generator=g, dtype=torch.float64), torch.randn(b, kv, grp, rows, 1, generator=g, dtype=torch.float64)  # noqa: E501
+    out, lse = local.attend(q, k, v, 0.5, bias, allowed)
+    grads = torch.autograd.grad((out * ct).sum() + (lse * cl).sum(), (q, k, v))
+    s = torch.einsum("bhgrd,bhcd->bhgrc", q, k) * 0.5 + bias
+    s = s.masked_fill(~allowed, float("-inf"))
+    want_lse = torch.logsumexp(s, -1, keepdim=True)
+    want = torch.einsum("bhgrc,bhcd->bhgrd", torch.softmax(s, -1), v)
+    want_grads = torch.autograd.grad((want * ct).sum() + (want_lse * cl).sum(), (q, k, v))
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    for got, exp in zip(grads, want_grads):
+        torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)

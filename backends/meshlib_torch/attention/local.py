@@ -39,13 +39,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias
     dtype: `bias` added to the scores, `allowed` (bool) False where a score is masked; each None or
     broadcastable to (B, Hkv, G, rows, cols). out is (B, Hkv, G, rows, D), lse (B, Hkv, G, rows, 1).
 
-    Memory: the block's scores live only while it is computed; backward computes them again from q, k, v
-    and the block's out and lse (`_Block`, flash attention's recomputation), so what a rank keeps for
-    backward grows with its tokens, not with (S/cp) x S scores."""
+    Memory: scores exist only for a tile of query rows at a time (`TILE` scores), forward and backward;
+    backward computes them again from q, k, v and the block's out and lse (`_Block`, flash attention's
+    recomputation), so what a rank keeps for backward grows with its tokens, not with (S/cp) x S scores."""
     k, v = k.to(q.dtype), v.to(q.dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _Block.apply(q, k, v, scale, bias, allowed)
-    return _scores_out(q, k, v, scale, bias, allowed)[1:]
+    return _forward(q, k, v, scale, bias, allowed)
+
+
+TILE = 1 << 18  # scores (elements) one tile of query rows may have: 1 MiB in fp32
+
+
+def _tiles(q: torch.Tensor, cols: int):
+    """Row ranges [r0, r1) of q (B, Hkv, G, rows, D) whose scores hold at most `TILE` elements (one row at least)."""
+    b, kv_heads, group, rows, _ = q.shape
+    step = max(1, TILE // max(1, b * kv_heads * group * cols))
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def _rows(t, r0: int, r1: int):
+    """Rows [r0, r1) of a mask or bias broadcast over rows (dim -2), or itself where it has one row."""
+    return t if t is None or t.shape[-2] == 1 else t[..., r0:r1, :]
 
 
 def _scores(q, k, scale: float, bias, allowed) -> torch.Tensor:
@@ -57,28 +72,33 @@ def _scores(q, k, scale: float, bias, allowed) -> torch.Tensor:
     return s if allowed is None else s.masked_fill(~allowed, _NEG)
 
 
-def _scores_out(q, k, v, scale: float, bias, allowed) -> tuple:
-    """(probabilities, out, lse) of one block, from its scores with their row max subtracted."""
-    b, kv_heads, group, rows, _ = q.shape
-    s = _scores(q, k, scale, bias, allowed)
-    top = s.amax(-1, keepdim=True)
-    top = torch.where(top.isfinite(), top, 0)  # a row that sees no key: its exponentials are all 0
-    e = torch.exp(s - top)
-    total = e.sum(-1, keepdim=True)
-    safe = torch.where(total > 0, total, 1)
-    out = (e.view(b, kv_heads, group * rows, -1) @ v).view(b, kv_heads, group, rows, v.shape[-1]) / safe
-    return e / safe, out, torch.where(total > 0, top + torch.log(safe), _NEG)
+def _forward(q, k, v, scale: float, bias, allowed) -> tuple:
+    """(out, lse) of one block, tile by tile of query rows, each from its scores with their row max subtracted."""
+    outs, lses = [], []
+    for r0, r1 in _tiles(q, k.shape[-2]):
+        qt = q[:, :, :, r0:r1]
+        b, kv_heads, group, rows, _ = qt.shape
+        s = _scores(qt, k, scale, _rows(bias, r0, r1), _rows(allowed, r0, r1))
+        top = s.amax(-1, keepdim=True)
+        top = torch.where(top.isfinite(), top, 0)  # a row that sees no key: its exponentials are all 0
+        e = torch.exp(s - top)
+        total = e.sum(-1, keepdim=True)
+        safe = torch.where(total > 0, total, 1)
+        outs.append((e.view(b, kv_heads, group * rows, -1) @ v).view(b, kv_heads, group, rows, v.shape[-1]) / safe)
+        lses.append(torch.where(total > 0, top + torch.log(safe), _NEG))
+    return torch.cat(outs, 3), torch.cat(lses, 3)
 
 
 class _Block(torch.autograd.Function):
     """One block's (out, lse), keeping q, k, v, out and lse for backward and not the scores.
 
     With P = exp(S - lse) the block's probabilities, dO and dlse the gradients of out and lse (the merge uses
-    both): dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ out) + dlse), dQ = dS K · scale, dK = dSᵀ Q · scale."""
+    both): dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ out) + dlse), dQ = dS K · scale, dK = dSᵀ Q · scale;
+    tile by tile of query rows (dK and dV summed over the tiles)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, bias, allowed):
-        _, out, lse = _scores_out(q, k, v, scale, bias, allowed)
+        out, lse = _forward(q, k, v, scale, bias, allowed)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.bias, ctx.allowed = scale, bias, allowed
         return out, lse
@@ -86,19 +106,22 @@ class _Block(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        b, kv_heads, group, rows, d = q.shape
-        s = _scores(q, k, ctx.scale, ctx.bias, ctx.allowed)
-        p = torch.where(lse.isfinite(), torch.exp(s - torch.where(lse.isfinite(), lse, 0)), 0)
         grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-        flat_p, flat_go = p.view(b, kv_heads, group * rows, -1), grad_out.reshape(b, kv_heads, group * rows, -1)
-        grad_v = flat_p.transpose(-1, -2) @ flat_go
-        dp = (flat_go @ v.transpose(-1, -2)).view_as(p)
-        shift = (grad_out * out).sum(-1, keepdim=True)
-        if grad_lse is not None:
-            shift = shift - grad_lse
-        ds = (p * (dp - shift)).view(b, kv_heads, group * rows, -1)
-        grad_q = (ds @ k).view_as(q) * ctx.scale
-        grad_k = ds.transpose(-1, -2) @ q.reshape(b, kv_heads, group * rows, d) * ctx.scale
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for r0, r1 in _tiles(q, k.shape[-2]):
+            qt, ot, lt, go = q[:, :, :, r0:r1], out[:, :, :, r0:r1], lse[:, :, :, r0:r1], grad_out[:, :, :, r0:r1]
+            b, kv_heads, group, rows, d = qt.shape
+            s = _scores(qt, k, ctx.scale, _rows(ctx.bias, r0, r1), _rows(ctx.allowed, r0, r1))
+            p = torch.where(lt.isfinite(), torch.exp(s - torch.where(lt.isfinite(), lt, 0)), 0)
+            flat_p, flat_go = p.view(b, kv_heads, group * rows, -1), go.reshape(b, kv_heads, group * rows, -1)
+            grad_v += flat_p.transpose(-1, -2) @ flat_go
+            dp = (flat_go @ v.transpose(-1, -2)).view_as(p)
+            shift = (go * ot).sum(-1, keepdim=True)
+            if grad_lse is not None:
+                shift = shift - grad_lse[:, :, :, r0:r1]
+            ds = (p * (dp - shift)).view(b, kv_heads, group * rows, -1)
+            grad_q[:, :, :, r0:r1] = (ds @ k).view_as(qt) * ctx.scale
+            grad_k += ds.transpose(-1, -2) @ qt.reshape(b, kv_heads, group * rows, d) * ctx.scale
         return grad_q, grad_k, grad_v, None, None, None
 
 
