@@ -480,3 +480,59 @@ def test_bf16_on_cp_is_the_model_run_in_bf16():
     for n, p in model.named_parameters():
         scale = float(p.grad.float().abs().max())
         assert float((got.grads[n].float() - p.grad.float()).abs().max()) <= 0.1 * scale, n
+
+
+# -- memory: what a rank holds falls with cp ---------------------------------------------------------------
+LONG = 2048  # tokens in the memory test's sequences
+
+
+def _long(mesh: str) -> dict:
+    from meshlib_torch import models
+
+    cfg, m = models.config("llama-tiny", max_seq_len=LONG), ml.Mesh.parse(mesh)
+    return dict(mesh=m, rules=models.default_rules(cfg, m), idle_axes=("dp",) if mesh == "dp=1" else ()), cfg
+
+
+def _planned_peak(mesh: str) -> int:
+    """The plan's dry-run peak per rank of one fp32 training step of llama-tiny on 2 sequences of `LONG` tokens."""
+    from meshlib_torch import models
+
+    kwargs, cfg = _long(mesh)
+    example = tuple(torch.empty(2, LONG, dtype=torch.long, device="meta") for _ in range(2))
+    return compile_model(models.build(cfg, device="meta"), example_inputs=example, estimate_memory=True,
+                         **kwargs).plan.rank_memory(None).peak  # fmt: skip
+
+
+def _peak(mesh: str) -> int:
+    """The measured peak bytes of that step on this rank: `PeakTracker` over the step, with parameters,
+    buffers and optimizer state as its baseline (the plan counts them so)."""
+    from meshlib_torch import PeakTracker, models, parallelize
+    from meshlib_torch import data as mdata
+
+    kwargs, cfg = _long(mesh)
+    with torch.device("meta"):
+        module = models.build(cfg)
+    batch = mdata.batch(0, batch_size=2, seq_len=LONG)
+    par = parallelize(module, example_inputs=batch, init=lambda n: ("normal", 0.02), **kwargs)
+    opt = par.optimizer(lr=1e-3)
+    par.train_step(batch, opt)
+    state = [v for st in opt.state.values() for v in st.values()]
+    with PeakTracker(device="cpu") as tracker:
+        tracker.baseline(list(par.parameters()) + list(par.buffers()) + state)
+        par.train_step(mdata.batch(1, batch_size=2, seq_len=LONG), opt)
+    return tracker.peak
+
+
+@pytest.mark.ranks
+def test_the_peak_per_rank_falls_with_cp_as_the_plan_says():
+    """llama-tiny, 2 sequences of 2,048 tokens, fp32: one process against cp=4 (head-tail ring). Each rank's
+    measured peak is the plan's within 10%, and so is one process's; the plan's ratio is then what ranks
+    see. Attention keeps each block's out and log-sum-exp, not its scores (recomputed in backward, a tile
+    of query rows at a time), so what a rank holds falls with its share of the tokens."""
+    plan_one, plan_four = _planned_peak("dp=1"), _planned_peak("cp=4")
+    one, four = get_pool(1).run(_peak, "dp=1")[0], get_pool(4).run(_peak, "cp=4")
+    print(f"peak per rank: one process {one / 2**20:.1f} MiB (plan {plan_one / 2**20:.1f}), cp=4 "
+          f"{[round(m / 2**20, 1) for m in four]} MiB (plan {plan_four / 2**20:.1f}); ratio {plan_one / plan_four:.2f}")
+    assert one == pytest.approx(plan_one, rel=0.1)
+    assert all(m == pytest.approx(plan_four, rel=0.1) for m in four), four
+    assert plan_one / plan_four > 2

@@ -73,11 +73,12 @@ def mask5(mask: torch.Tensor | None, heads: int, kv_heads: int, dtype: torch.dty
 def host_index(axis: str, op: str) -> int:
     """This rank's index along `axis` as a Python int: the ring's schedule (which blocks a causal mask skips)
     is decided on the host. The eager backend knows it without reading a device value; a backend that does
-    not gets one read of `lax.axis_index`. A dry run (meta tensors) has no rank: index 0, whose collectives
-    are every rank's."""
+    not gets one read of `lax.axis_index`. A dry run (meta tensors) has no rank: the last index, whose
+    collectives are every rank's and whose causal blocks are the widest (contiguous: it sees every shard;
+    head-tail: its first chunk is the latest), so the dry run's memory is the largest rank's."""
     region = current(op)
     if region.abstract:
-        return 0
+        return lax.axis_size(axis) - 1
     index = getattr(region.backend, "index", None)
     return index(region.axes(axis, op)) if index is not None else int(lax.axis_index(axis))
 
