@@ -10,6 +10,8 @@ agree to 1e-12. The plan's ring bytes must equal the bytes each rank counted and
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import real_models as rm
 import torch
@@ -536,3 +538,67 @@ def test_the_peak_per_rank_falls_with_cp_as_the_plan_says():
     assert one == pytest.approx(plan_one, rel=0.1)
     assert all(m == pytest.approx(plan_four, rel=0.1) for m in four), four
     assert plan_one / plan_four > 2
+
+
+# -- attention written out: softmax(Q Kᵀ·scale + mask)·V ------------------------------------------------------
+class WrittenOut(nn.Module):
+    """Attention as nanoGPT's original code writes it: scores, `masked_fill` of a causal buffer, softmax, dropout
+    (p=0), times V; heads over the last dims."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16, heads: int = 2, seq: int = 16):
+        super().__init__()
+        self.heads = heads
+        self.emb, self.qkv, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
+        self.register_buffer("bias", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, ids, targets):
+        b, s = ids.shape
+        h = self.emb(ids)
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :s, :s] == 0, float("-inf"))
+        y = self.drop(F.softmax(att, dim=-1)) @ v
+        logits = self.out(h + y.transpose(1, 2).reshape(b, s, -1))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build_written_out() -> nn.Module:
+    torch.manual_seed(0)
+    return WrittenOut().double()
+
+
+def written_batch(step: int) -> tuple:
+    ids, _, targets = packed_batch(step)
+    return ids, targets
+
+
+def build_hf_llama_eager() -> nn.Module:
+    """transformers' Llama with attn_implementation="eager" (its softmax in fp32), fp64 weights."""
+    tf = rm._quiet_transformers()
+    cfg = tf.LlamaConfig(
+        vocab_size=rm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+        attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(cfg).to(torch.float64).train()
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("name, mesh", [("written-out", "cp=2"), ("written-out", "dp=2,cp=2"), ("hf-eager", "cp=2")])
+def test_attention_written_out_is_found_and_trains_as_the_single_process(name, mesh):
+    """softmax(Q Kᵀ·scale + mask)·V written as ops becomes the ring too: nanoGPT's original form (fx, fp64,
+    1e-12; its `masked_fill` of a causal buffer recognised as causal) and transformers' eager attention
+    (torch.export; the reference's softmax runs in fp32, so 1e-5)."""
+    if name == "written-out":
+        trial, tol = Trial(build_written_out, written_batch, mesh=mesh, rules=rules_whole, lr=1e-3), 1e-12
+    else:
+        trial, tol = Trial(build_hf_llama_eager, rm.hf_batch, mesh=mesh, rules=rules_hf, loss="loss", lr=1e-3), 1e-5
+    ref = run_single(trial)
+    got = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)
+    for rank in got:
+        assert_same(ref, rank, rtol=tol, atol=tol, loss_tol=max(tol, 1e-6))
+    note = dict(got[0].plan.notes)["context parallelism"]
+    layers = 1 if name == "written-out" else 2
+    assert f"{layers} of them written out" in note and f"{layers} causal masks recognised" in note, note

@@ -178,7 +178,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     gm.graph.lint()
     plan = plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, options.sequence_parallel, layouts)
     plan = with_data_parallel(plan, data, options)
-    if attention:
+    if regions["calls"]:
         note = _cp_note(attention, regions, mesh, options.cp_method, options.cp_layout)
         plan = plan.replace(notes=(*plan.notes, ("context parallelism", note)))
     if plain:
@@ -212,6 +212,8 @@ def _cp_note(calls: list[str], regions: dict[str, int], mesh: Mesh, method: str,
         "contiguous": "in the contiguous layout (causal work unbalanced: the last rank's is cp times the first's)",
     }[layout]
     said = [f"{len(calls)} attention calls run as {how}, {where}"]
+    if regions["written out"]:
+        said.append(f"{regions['written out']} of them written out as softmax(Q Kᵀ·scale + mask)·V, found and run so")
     if regions["unrepeated"]:
         said.append(f"{regions['unrepeated']} with their key/value heads unrepeated (GQA: kv heads travel alone)")
     if regions["causal masks"]:

@@ -246,14 +246,21 @@ def attention_regions(gm: fx.GraphModule, calls: Calls) -> dict[str, int]:
     """Each `cp_sdpa` node of `gm` becomes its region (see the module docstring), with every value's shape
     known (`meta["val"]`): keys and values taken before a repeat to the query heads where their heads divide
     over `tp` (`kv.repeated`), a causal mask recognised by its value (`masks.constant_mask`) and dropped, any
-    other mask split by its query rows. Returns what it did: {"calls", "unrepeated", "causal masks", "masks"}."""
+    other mask split by its query rows; attention written out as softmax(Q Kᵀ · scale + mask) V is found first
+    (`eager_attention`). Returns what it did: {"calls", "unrepeated", "causal masks", "masks", "written out"}."""
     from .kv import repeated
     from .masks import constant_mask
 
     s = calls.setting
     tp = s.mesh.axis_size("tp") if _heads_axis(s.mesh) else 1
     spec = attention_spec(s.mesh, s.data)
-    done = {"calls": 0, "unrepeated": 0, "causal masks": 0, "masks": 0}
+    done = {"calls": 0, "unrepeated": 0, "causal masks": 0, "masks": 0, "written out": 0}
+    if cp_size(s.mesh) > 1 and CP_AXIS in s.data:
+        from .eager_attention import eager_calls
+        from .source import source_line
+
+        done["written out"] = eager_calls(gm, cp_sdpa, source_line)
+        calls.extend(["written out"] * done["written out"])
     calls = [(n, _call_of(n)) for n in gm.graph.nodes]
     calls = [(n, c) for n, c in calls if c is not None]
     if not calls:
