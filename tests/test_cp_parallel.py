@@ -22,7 +22,7 @@ import meshlib as ml
 from meshlib_torch import compile_model
 from meshlib_torch.compiler.placement.placements import Shard
 from meshlib_torch.models import build, default_rules
-from meshlib_torch.testing.measure import measure_step, planned
+from meshlib_torch.testing.measure import planned
 from meshlib_torch.testing.pool import get_pool
 from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
 
@@ -93,7 +93,8 @@ def _reference(name: str):
 def test_a_dense_model_on_cp_trains_as_the_single_process(name, mesh, options):
     """Positions come out global (gpt's learned positions and llama's rotary tables are sliced to each
     rank's tokens), the loss is the mean over every token of every rank, and the gradients are summed over
-    dp×cp: losses, gradients and parameters equal the single process's to 1e-12 on every rank."""
+    dp×cp: losses, gradients and parameters equal the single process's to 1e-12 on every rank; where the
+    ring's bytes are checked (`RING_BYTES`), each rank's counted bytes equal the plan's and the closed form."""
     build_fn, rules = MODELS[name]
     trial = Trial(build_fn, batch, mesh=mesh, rules=rules, lr=1e-3, options=options)
     got = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)
@@ -102,52 +103,53 @@ def test_a_dense_model_on_cp_trains_as_the_single_process(name, mesh, options):
     print(f"{name} {mesh} {options}: max |diff|", {k: max(w[k] for w in worst) for k in worst[0]})
     notes = dict(got[0].plan.notes)
     assert "cp" in notes["data-parallel axes"] and "ring_attention over cp=" in notes["context parallelism"]
+    if (name, mesh) in RING_BYTES and not options:
+        assert_ring_bytes(name, mesh, got)
 
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("mesh", ["cp=2", "tp=2,cp=2"])
 def test_grouped_query_attention_on_cp_trains_as_the_single_process(mesh):
     """llama-tiny-gqa (4 query heads, 2 key/value heads, repeated by `repeat_interleave` before the call): the
-    region takes the key/value heads unrepeated and gives the single process's numbers (fp64, 1e-12)."""
+    region takes the key/value heads unrepeated and gives the single process's numbers (fp64, 1e-12), moving
+    half the bytes repeated heads would (`assert_ring_bytes`)."""
     build_fn, rules = MODELS["llama-tiny-gqa"]
     got = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, Trial(build_fn, batch, mesh=mesh, rules=rules, lr=1e-3))
     for rank in got:
         assert_same(_reference("llama-tiny-gqa"), rank, rtol=1e-12, atol=1e-12)
+    assert_ring_bytes("llama-tiny-gqa", mesh, got)
 
 
-@pytest.mark.ranks
-@pytest.mark.parametrize(
-    "name, mesh", [("gpt-tiny", "dp=2,cp=2"), ("llama-tiny", "cp=2"), ("gpt-tiny", "cp=4"), ("llama-tiny", "tp=2,cp=2"),
-                   ("llama-tiny-gqa", "cp=2"), ("llama-tiny-gqa", "tp=2,cp=2")],
-)  # fmt: skip
-def test_the_plan_counts_the_ring_as_each_rank_runs_it(name, mesh):
-    """Plan = measured = closed form, on every rank: per layer and step the ring moves (cp-1) hops of K and V,
-    2·B·Hkv·(S/cp)·D·itemsize bytes each, forward, and their gradients the same way back (B the batch per
-    dp rank, Hkv the key/value heads per tp rank: with GQA, kv_heads/heads of the bytes repeated heads would
-    move, the heads never repeated before they travel). Learned positions are sliced, not gathered: nothing else
-    moves over cp in forward or backward but the ring, the loss's sum and the gradient sync."""
-    build_fn, rules = MODELS[name]
-    trial = Trial(build_fn, batch, mesh=mesh, rules=rules, lr=1e-3)
-    results = get_pool(ml.Mesh.parse(mesh).size).run(measure_step, trial)
+RING_BYTES = {("gpt-tiny", "dp=2,cp=2"), ("llama-tiny", "cp=2"), ("gpt-tiny", "cp=4"), ("llama-tiny", "tp=2,cp=2"),
+              ("llama-tiny-gqa", "cp=2"), ("llama-tiny-gqa", "tp=2,cp=2")}  # fmt: skip
+
+
+def assert_ring_bytes(name: str, mesh: str, got: list) -> None:
+    """Plan = measured = closed form, on every rank (the last step's counts of `run_parallel`): per layer and
+    step the ring moves (cp-1) hops of K and V, 2·B·Hkv·(S/cp)·D·itemsize bytes each, forward, and their
+    gradients the same way back (B the batch per dp rank, Hkv the key/value heads per tp rank: with GQA,
+    kv_heads/heads of the bytes repeated heads would move, the heads never repeated before they travel).
+    Learned positions are sliced, not gathered: nothing else moves over cp in forward or backward but the
+    ring, the loss's sum and the gradient sync."""
     m = ml.Mesh.parse(mesh)
     cp = m.axis_size("cp")
     dp, tp = (m.axis_size(a) if a in m.axis_names else 1 for a in ("dp", "tp"))
-    model = build_fn()
+    model = MODELS[name][0]()
     layers = len(model.h) if name == "gpt-tiny" else len(model.layers)
     heads = model.config.n_head if name == "gpt-tiny" else model.config.kv_heads
-    head_dim = 32 // 4  # both: 4 heads of a width of 32
+    head_dim = 32 // 4  # every one: 4 heads of a width of 32
     ring = (cp - 1) * 2 * (BATCH // dp) * (heads // tp) * (SEQ // cp) * head_dim * 8
     repeated = (cp - 1) * 2 * (BATCH // dp) * (4 // tp) * (SEQ // cp) * head_dim * 8  # kv heads repeated to 4
-    for got in results:
-        plan = planned(got["plan"], got["coords"])["comm"]
-        assert got["comm"] == plan, (got["rank"], got["coords"])
+    for rank, trace in enumerate(got):
+        plan = planned(trace.plan, m.coords(rank))["comm"]
+        assert trace.comm["by_kind"] == plan, (rank, trace.comm["by_kind"], plan)
         assert plan[("forward", "send_recv", "cp")] == layers * ring
         assert plan[("backward", "send_recv", "cp")] == layers * ring
-        print(f"{name} {mesh}: ring bytes per layer {ring} forward, {ring} backward (closed form = plan = counted); "
-              f"{ring / repeated:g} of what repeated key/value heads would move")
         over_cp = {k for k in plan if "cp" in k[2].split("_") and k[1] not in ("send_recv",)}
         assert over_cp <= {("forward", "all_reduce", "cp"), ("forward", "all_reduce", "dp_cp"),
                            ("backward", "all_reduce", "dp_cp"), ("backward", "all_reduce", "cp")}, over_cp
+    print(f"{name} {mesh}: ring bytes per layer {ring} forward, {ring} backward (closed form = plan = counted); "
+          f"{ring / repeated:g} of what repeated key/value heads would move")
 
 
 def _compile(name, mesh, tokens):
@@ -211,15 +213,14 @@ def test_each_cp_method_trains_as_the_single_process_and_is_planned_as_it_runs(n
     3 AdamW steps), and each rank's counted bytes equal the plan's; the plan names the method."""
     build_fn, rules = MODELS[name]
     trial = Trial(build_fn, batch, mesh=mesh, rules=rules, lr=1e-3, options={"cp_method": method})
-    size = ml.Mesh.parse(mesh).size
-    for rank in get_pool(size).run(run_parallel, trial):
-        assert_same(_reference(name), rank, rtol=1e-12, atol=1e-12)
+    m = ml.Mesh.parse(mesh)
     kind = {"all-gather": "all_gather", "all-to-all": "all_to_all"}[method]
-    for got in get_pool(size).run(measure_step, trial):
-        plan = planned(got["plan"], got["coords"])["comm"]
-        assert got["comm"] == plan, (got["rank"], got["coords"])
+    for rank, got in enumerate(get_pool(m.size).run(run_parallel, trial)):
+        assert_same(_reference(name), got, rtol=1e-12, atol=1e-12)
+        plan = planned(got.plan, m.coords(rank))["comm"]  # the last step's counts
+        assert got.comm["by_kind"] == plan, (rank, got.comm["by_kind"], plan)
         assert plan[("forward", kind, "cp")] > 0 and ("forward", "send_recv", "cp") not in plan
-        assert method.replace("-", "") in dict(got["plan"].notes)["context parallelism"].replace("ulysses", "alltoall")
+        assert method.replace("-", "") in dict(got.plan.notes)["context parallelism"].replace("ulysses", "alltoall")
 
 
 def test_ulysses_refuses_heads_cp_does_not_divide_at_compile_time():
@@ -476,8 +477,9 @@ def test_bf16_on_cp_is_the_model_run_in_bf16():
     trial = Trial(build_llama, batch, mesh="cp=2", rules=rules_llama, lr=1e-3, options={"precision": "bf16"}, steps=1)
     got = get_pool(2).run(run_parallel, trial)[0]
     model = build_llama().to(torch.bfloat16)
-    model(*batch(0)).backward()
-    want = float(model(*batch(0)))
+    loss = model(*batch(0))
+    loss.backward()
+    want = float(loss.detach())
     assert got.losses[0] == pytest.approx(want, rel=1e-2)
     for n, p in model.named_parameters():
         scale = float(p.grad.float().abs().max())
