@@ -271,13 +271,7 @@ def build_hf_llama() -> nn.Module:
 
 def build_hf_qwen2() -> nn.Module:
     """transformers' Qwen2 (q, k, v with biases; GQA, 4 query and 2 key/value heads), fp64."""
-    tf = rm._quiet_transformers()
-    cfg = tf.Qwen2Config(
-        vocab_size=rm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, use_sliding_window=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return tf.Qwen2ForCausalLM(cfg).to(torch.float64).train()
+    return rm.build_hf("Qwen2", torch.float64, use_sliding_window=False)
 
 
 def rules_hf(mesh):
@@ -375,13 +369,7 @@ def test_packed_documents_on_cp_train_as_the_single_process(mesh):
 
 def build_hf_mistral() -> nn.Module:
     """transformers' Mistral with a sliding window of 5 tokens over rows of 16 (GQA: 4 and 2 heads), fp64."""
-    tf = rm._quiet_transformers()
-    cfg = tf.MistralConfig(
-        vocab_size=rm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, sliding_window=5, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return tf.MistralForCausalLM(cfg).to(torch.float64).train()
+    return rm.build_hf("Mistral", torch.float64, sliding_window=5)
 
 
 def hf_packed_batch(step: int) -> dict:
@@ -577,14 +565,7 @@ def written_batch(step: int) -> tuple:
 
 def build_hf_llama_eager() -> nn.Module:
     """transformers' Llama with attn_implementation="eager" (its softmax in fp32), fp64 weights."""
-    tf = rm._quiet_transformers()
-    cfg = tf.LlamaConfig(
-        vocab_size=rm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=None,
-        attn_implementation="eager",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return tf.LlamaForCausalLM(cfg).to(torch.float64).train()
+    return rm.build_hf("Llama", torch.float64, pad_token_id=None, attn_implementation="eager")
 
 
 @pytest.mark.ranks
