@@ -162,7 +162,7 @@ def _op(node) -> str:
     if node is None:
         return "?"
     if node.op == "call_module":
-        return "collective" if str(node.target).startswith("comm") else str(node.target)
+        return "collective" if str(node.target).startswith("comm") else node.meta.get("op_name", str(node.target))
     target = node.target
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 

@@ -150,5 +150,7 @@ def _special(gm: fx.GraphModule, node: fx.Node, specials: list, kind: str, args:
         gm.add_submodule(name, Pending(specials[-1]))
         new = gm.graph.create_node("call_module", name, tuple(inputs))
     new.meta = dict(node.meta)
+    fn = args.get("fn")  # a region: named by its per-shard function in the plan's tables
+    new.meta["op_name"] = getattr(fn, "__name__", None) or kind
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
