@@ -335,6 +335,23 @@ class PackedAttention(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class Encoder(PackedAttention):
+    """Full (non-causal) attention, SDPA without a mask: every token attends to every other."""
+
+    def forward(self, ids, doc_ids, targets):
+        b, s = ids.shape
+        h = self.emb(ids)
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v)
+        logits = self.out(h + y.transpose(1, 2).reshape(b, s, -1))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build_encoder() -> nn.Module:
+    torch.manual_seed(0)
+    return Encoder().double()
+
+
 def build_packed() -> nn.Module:
     torch.manual_seed(0)
     return PackedAttention().double()
@@ -351,6 +368,17 @@ def packed_batch(step: int) -> tuple:
     starts = torch.rand(4, 16, generator=g) < 0.25
     starts[:, 0] = True
     return ids, starts.long().cumsum(1), torch.roll(ids, -1, 1)
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("method", ["ring", "all-gather", "all-to-all"])
+def test_full_attention_on_cp_trains_as_the_single_process(method):
+    """Non-causal attention (SDPA without a mask) over cp=2, each cp_method: every block computed; fp64, 1e-12."""
+    trial = Trial(build_encoder, packed_batch, mesh="cp=2", rules=rules_whole, lr=1e-3, options={"cp_method": method})
+    if "encoder" not in _REFERENCES:
+        _REFERENCES["encoder"] = run_single(trial)
+    for rank in get_pool(2).run(run_parallel, trial):
+        assert_same(_REFERENCES["encoder"], rank, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.ranks
