@@ -158,10 +158,15 @@ def _compile(name, mesh, tokens):
     return compile_model(model, mesh=m, rules=default_rules(name, m), example_inputs=(tokens, tokens))
 
 
-def test_a_sequence_cp_does_not_divide_is_refused_naming_the_fix():
+@pytest.mark.parametrize("uneven", ["error", "chunk"])
+def test_a_sequence_cp_does_not_divide_is_refused_naming_the_fix(uneven):
+    """9 tokens over cp=2: refused at compile time under either uneven policy (the region, and the loss's
+    merged rows, take equal shards), naming the padded length."""
     tokens = torch.zeros(4, 9, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"(?s)input 'idx'.*9.*cp"):
-        _compile("gpt-tiny", "cp=2", tokens)
+    m = ml.Mesh.parse("cp=2")
+    with pytest.raises(ValueError, match=r"(?s)input 'idx'.*9 tokens.*any uneven policy.*pad it to 12"):
+        compile_model(build("gpt-tiny", device="meta", dtype=torch.float64), mesh=m, rules=default_rules("gpt-tiny", m),
+                      example_inputs=(tokens, tokens), uneven=uneven)  # fmt: skip
 
 
 def test_a_sequence_2cp_does_not_divide_is_refused_by_the_head_tail_layout_naming_both_fixes():

@@ -205,11 +205,10 @@ def input_layouts(
     out = {}
     for name, x in tensors.items():
         spec = in_specs.get(name, P())
+        layout = zigzag_input(spec_to_layout(spec, mesh), mesh, tuple(x.shape), name, cp_layout)  # first: cp's fix
         NamedSharding(mesh, spec, uneven=uneven).check(tuple(x.shape), path=f"input {name!r}")
         check_single_axis_uneven(mesh, spec, tuple(x.shape), uneven, f"input {name!r}")
-        out[name] = spec_to_layout(spec, mesh)
-        if cp_layout == "zigzag":
-            out[name] = zigzag_input(out[name], mesh, tuple(x.shape), name)
+        out[name] = layout
     return out
 
 

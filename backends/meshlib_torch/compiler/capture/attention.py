@@ -63,24 +63,34 @@ def zigzag(dim: int) -> Shard:
     return Shard(dim, 2, mirror=True)
 
 
-def zigzag_input(layout: Layout, mesh: Mesh, shape: tuple[int, ...], name: str) -> Layout:
-    """An input's layout with its sequence dim (1), where `cp` splits it, in the zigzag layout; refused
-    (naming the fix) where 2*cp chunks do not divide the sequence."""
+def zigzag_input(layout: Layout, mesh: Mesh, shape: tuple[int, ...], name: str, layout_name: str = "zigzag") -> Layout:
+    """An input's layout with its sequence dim (1), where `cp` splits it, in the `layout_name` layout ("zigzag":
+    head-tail chunks); refused, naming the fix, where the sequence does not cut into equal shards: 2*cp chunks
+    for the head-tail layout, cp pieces for the contiguous one. Equal shards under any `uneven` policy:
+    attention's region takes equal shards (as JAX's shard_map), and torch.chunk's pieces of a sequence are
+    not those of the (batch x sequence) rows a loss merges them into."""
     if CP_AXIS not in mesh.axis_names:
         return layout
     i = mesh.axis_names.index(CP_AXIS)
-    if layout[i] != Shard(1):
+    if layout[i] != Shard(1) or len(shape) < 2:
         return layout
-    n = mesh.axis_size(CP_AXIS)
-    if shape[1] % (2 * n):
+    n, zig = mesh.axis_size(CP_AXIS), layout_name == "zigzag"
+    parts = 2 * n if zig else n
+    if shape[1] % parts:
+        other = (
+            f"pass cp_layout='contiguous' (--cp-layout contiguous; a multiple of {n}, with causal work unbalanced)"
+            if zig and shape[1] % n == 0 else "use fewer cp ranks"
+        )  # fmt: skip
         raise ValueError(
-            f"input {name!r} {list(shape)}: its sequence of {shape[1]} tokens does not cut into 2*cp = {2 * n} "
-            f"equal chunks, which the zigzag layout of cp={n} needs (each rank holds a chunk from the head and one "
-            f"from the tail, so causal attention costs every rank the same). Fix: make the sequence a multiple of "
-            f"{2 * n} (pad it to {-(-shape[1] // (2 * n)) * 2 * n}), or pass cp_layout='contiguous' "
-            f"(--cp-layout contiguous; a multiple of {n}, with causal work unbalanced)"
+            f"input {name!r} {list(shape)}: its sequence of {shape[1]} tokens does not cut into "
+            f"{'2*cp = ' if zig else 'cp = '}{parts} equal {'chunks' if zig else 'pieces'}, which the "
+            f"{layout_name} layout of cp={n} needs"
+            + (" (each rank holds a chunk from the head and one from the tail, so causal attention costs every rank"
+               " the same)" if zig else "")
+            + f"; context parallelism takes equal shards under any uneven policy. Fix: make the sequence a multiple "
+            f"of {parts} (pad it to {-(-shape[1] // parts) * parts}, the padding's labels ignored), or {other}"
         )
-    return (*layout[:i], zigzag(1), *layout[i + 1 :])
+    return (*layout[:i], zigzag(1), *layout[i + 1 :]) if zig else layout
 
 
 def cp_size(mesh: Mesh) -> int:
