@@ -16,9 +16,10 @@ Overlap: each hop is asynchronous (`lax.ppermute_start`: torch.distributed's `al
 for after it, so the transfer runs while the block does. In backward the hop's wait begins sending the
 gradient of the shard that arrived back around the ring, and its start waits for it; autograd runs the nodes
 recorded later first, so the block computed between them (its backward) runs while that gradient travels.
-Waits are bounded by the process group's timeout. Memory: autograd keeps every block's scores for the
-backward (no recomputation yet), (S/cp) x S per head and rank in all, and a hop holds one more K/V shard (the
-one arriving) while the current one is used.
+Waits are bounded by the process group's timeout. Memory: a block keeps its output and log-sum-exp for the
+backward, not its scores (`local._Block` computes them again there, a tile of query rows at a time); what
+stays is every K/V shard that arrived, 2*B*Hkv*S*D per rank and layer (the whole sequence's keys and values
+at the key/value width), since backward reads them where they are rather than sending them around again.
 """
 
 from __future__ import annotations
