@@ -392,7 +392,8 @@ def test_bad_arguments_are_named_with_their_fix():
 
 
 @pytest.mark.parametrize("tile", [7, 1 << 20])
-def test_a_block_keeps_no_scores_and_equals_softmax_attention_in_tiles(monkeypatch, tile):
+@pytest.mark.parametrize("kind", ["bias", "bool and documents"])
+def test_a_block_keeps_no_scores_and_equals_softmax_attention_in_tiles(monkeypatch, tile, kind):
     """`local.attend` (one block: (out, lse), recomputing its scores in backward, a tile of query rows at a time)
     against softmax attention written out and differentiated by autograd: GQA (2 key/value heads, groups of 2),
     a bias and a causal boolean mask, gradients through both out and lse (the merge uses both); fp64, 1e-12.
@@ -400,6 +401,7 @@ def test_a_block_keeps_no_scores_and_equals_softmax_attention_in_tiles(monkeypat
     from meshlib_torch.attention import local
 
     monkeypatch.setattr(local, "TILE", tile)
+    monkeypatch.setattr(local, "MIN_ROWS", 1)
     g = torch.Generator().manual_seed(7)
     b, kv, grp, rows, cols, d = 2, 2, 2, 6, 9, 4
     q = torch.randn(b, kv, grp, rows, d, generator=g, dtype=torch.float64, requires_grad=True)
@@ -408,9 +410,15 @@ def test_a_block_keeps_no_scores_and_equals_softmax_attention_in_tiles(monkeypat
     bias = torch.randn(1, 1, 1, rows, cols, generator=g, dtype=torch.float64)
     allowed = torch.arange(cols)[None, :] <= torch.arange(rows)[:, None] + 3
     ct, cl = torch.randn(b, kv, grp, rows, d, generator=g, dtype=torch.float64), torch.randn(b, kv, grp, rows, 1, generator=g, dtype=torch.float64)  # noqa: E501
-    out, lse = local.attend(q, k, v, 0.5, bias, allowed)
+    mask = local.Mask(q_pos=torch.arange(rows) + 3, k_pos=torch.arange(cols), user=bias)  # the same, built per tile
+    if kind != "bias":  # a boolean mask of the caller's and documents: each query sees its own document's keys
+        docs_q, docs_k = torch.tensor([[0, 0, 1, 1, 1, 2]] * b), torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2]] * b)
+        user = torch.rand(1, 1, 1, rows, cols, generator=g) > 0.2
+        mask = local.Mask(torch.arange(rows) + 3, torch.arange(cols), docs_q, docs_k, user)
+        allowed = allowed & user & (docs_q[:, None, None, :, None] == docs_k[:, None, None, None, :])
+    out, lse = local.attend(q, k, v, 0.5, mask)
     grads = torch.autograd.grad((out * ct).sum() + (lse * cl).sum(), (q, k, v))
-    s = torch.einsum("bhgrd,bhcd->bhgrc", q, k) * 0.5 + bias
+    s = torch.einsum("bhgrd,bhcd->bhgrc", q, k) * 0.5 + (bias if kind == "bias" else 0)
     s = s.masked_fill(~allowed, float("-inf"))
     want_lse = torch.logsumexp(s, -1, keepdim=True)
     want = torch.einsum("bhgrc,bhcd->bhgrd", torch.softmax(s, -1), v)

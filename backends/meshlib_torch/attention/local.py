@@ -24,61 +24,85 @@ key chunks of one source shard, skipping each (query chunk, key chunk) pair a ca
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .flops import SCORES
 from .inputs import Problem
 
-__all__ = ["attend", "attend_shard", "block", "finish", "merge"]
+__all__ = ["Mask", "attend", "attend_shard", "block", "finish", "merge"]
 
 _NEG = float("-inf")
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias, allowed) -> tuple:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask | None = None) -> tuple:
     """(out, lse) of queries q (B, Hkv, G, rows, D) over keys k and values v (B, Hkv, cols, D), in q's
-    dtype: `bias` added to the scores, `allowed` (bool) False where a score is masked; each None or
-    broadcastable to (B, Hkv, G, rows, cols). out is (B, Hkv, G, rows, D), lse (B, Hkv, G, rows, 1).
+    dtype, the scores hidden or shifted as `mask` says. out is (B, Hkv, G, rows, D), lse (B, Hkv, G, rows, 1).
 
-    Memory: scores exist only for a tile of query rows at a time (`TILE` scores), forward and backward;
-    backward computes them again from q, k, v and the block's out and lse (`_Block`, flash attention's
-    recomputation), so what a rank keeps for backward grows with its tokens, not with (S/cp) x S scores."""
+    Memory: scores, and the boolean masks that hide them, exist only for a tile of query rows at a time
+    (`_tiles`), forward and backward; backward computes them again from q, k, v, the block's out and lse and
+    `mask`'s positions and documents (`_Block`, flash attention's recomputation), so what a rank keeps for
+    backward grows with its tokens, not with (S/cp) x S."""
     k, v = k.to(q.dtype), v.to(q.dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _Block.apply(q, k, v, scale, bias, allowed)
-    return _forward(q, k, v, scale, bias, allowed)
+        return _Block.apply(q, k, v, scale, mask)
+    return _forward(q, k, v, scale, mask)
 
 
-TILE = 1 << 18  # scores (elements) one tile of query rows may have: 1 MiB in fp32
+@dataclass(frozen=True)
+class Mask:
+    """What hides or shifts one block's scores, built a tile of query rows at a time: a causal mask from the
+    positions of the rows and of the columns (`q_pos` (rows,), `k_pos` (cols,)), documents (`doc_q` (B, rows),
+    `doc_k` (B, cols): a query sees only keys of its own), and the caller's mask (`user`, this block's rows
+    and columns, (Bm, Hkv or 1, G or 1, rows, cols): boolean, True where allowed, or floating, added)."""
+
+    q_pos: torch.Tensor | None = None
+    k_pos: torch.Tensor | None = None
+    doc_q: torch.Tensor | None = None
+    doc_k: torch.Tensor | None = None
+    user: torch.Tensor | None = None
+
+    def tile(self, r0: int, r1: int) -> tuple:
+        """(bias, allowed) of query rows [r0, r1): each None, or broadcastable to (B, Hkv, G, r1 - r0, cols)."""
+        allowed = None if self.q_pos is None else self.k_pos[None, :] <= self.q_pos[r0:r1, None]
+        if self.doc_q is not None:
+            same = (self.doc_q[:, r0:r1, None] == self.doc_k[:, None, :])[:, None, None]
+            allowed = same if allowed is None else allowed & same
+        cut = None if self.user is None else self.user if self.user.shape[-2] == 1 else self.user[..., r0:r1, :]
+        if cut is not None and cut.dtype == torch.bool:
+            return None, cut if allowed is None else allowed & cut
+        return cut, allowed
+
+
+TILE = 1 << 18  # scores (elements) one tile of query rows may have: 1 MiB in fp32...
+MIN_ROWS = 64  # ...but at least this many rows (a tile of one row a thousand times over is slower than it saves)
 
 
 def _tiles(q: torch.Tensor, cols: int):
-    """Row ranges [r0, r1) of q (B, Hkv, G, rows, D) whose scores hold at most `TILE` elements (one row at least)."""
+    """Row ranges [r0, r1) of q (B, Hkv, G, rows, D) whose scores hold about `TILE` elements."""
     b, kv_heads, group, rows, _ = q.shape
-    step = max(1, TILE // max(1, b * kv_heads * group * cols))
+    step = max(MIN_ROWS, TILE // max(1, b * kv_heads * group * cols))
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
-def _rows(t, r0: int, r1: int):
-    """Rows [r0, r1) of a mask or bias broadcast over rows (dim -2), or itself where it has one row."""
-    return t if t is None or t.shape[-2] == 1 else t[..., r0:r1, :]
-
-
-def _scores(q, k, scale: float, bias, allowed) -> torch.Tensor:
-    """Masked scores (B, Hkv, G, rows, cols): -inf where not allowed."""
+def _scores(q, k, scale: float, mask: Mask | None, r0: int, r1: int) -> torch.Tensor:
+    """Scores of query rows [r0, r1), (B, Hkv, G, r1 - r0, cols): shifted by the mask's bias, -inf where hidden."""
+    q = q[:, :, :, r0:r1]
     b, kv_heads, group, rows, d = q.shape
     s = (q.reshape(b, kv_heads, group * rows, d) @ k.transpose(-1, -2)).view(b, kv_heads, group, rows, -1) * scale
+    bias, allowed = (None, None) if mask is None else mask.tile(r0, r1)
     if bias is not None:
         s = s + bias
     return s if allowed is None else s.masked_fill(~allowed, _NEG)
 
 
-def _forward(q, k, v, scale: float, bias, allowed) -> tuple:
+def _forward(q, k, v, scale: float, mask: Mask | None) -> tuple:
     """(out, lse) of one block, tile by tile of query rows, each from its scores with their row max subtracted."""
     outs, lses = [], []
     for r0, r1 in _tiles(q, k.shape[-2]):
-        qt = q[:, :, :, r0:r1]
-        b, kv_heads, group, rows, _ = qt.shape
-        s = _scores(qt, k, scale, _rows(bias, r0, r1), _rows(allowed, r0, r1))
+        s = _scores(q, k, scale, mask, r0, r1)
+        b, kv_heads, group, rows, _ = s.shape
         top = s.amax(-1, keepdim=True)
         top = torch.where(top.isfinite(), top, 0)  # a row that sees no key: its exponentials are all 0
         e = torch.exp(s - top)
@@ -90,17 +114,18 @@ def _forward(q, k, v, scale: float, bias, allowed) -> tuple:
 
 
 class _Block(torch.autograd.Function):
-    """One block's (out, lse), keeping q, k, v, out and lse for backward and not the scores.
+    """One block's (out, lse), keeping q, k, v, out, lse and the `Mask` (positions, documents, a view of the
+    caller's mask) for backward, and not the scores nor a boolean mask of the block.
 
     With P = exp(S - lse) the block's probabilities, dO and dlse the gradients of out and lse (the merge uses
     both): dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ out) + dlse), dQ = dS K · scale, dK = dSᵀ Q · scale;
     tile by tile of query rows (dK and dV summed over the tiles)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, bias, allowed):
-        out, lse = _forward(q, k, v, scale, bias, allowed)
+    def forward(ctx, q, k, v, scale, mask):
+        out, lse = _forward(q, k, v, scale, mask)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.bias, ctx.allowed = scale, bias, allowed
+        ctx.scale, ctx.mask = scale, mask
         return out, lse
 
     @staticmethod
@@ -111,7 +136,7 @@ class _Block(torch.autograd.Function):
         for r0, r1 in _tiles(q, k.shape[-2]):
             qt, ot, lt, go = q[:, :, :, r0:r1], out[:, :, :, r0:r1], lse[:, :, :, r0:r1], grad_out[:, :, :, r0:r1]
             b, kv_heads, group, rows, d = qt.shape
-            s = _scores(qt, k, ctx.scale, _rows(ctx.bias, r0, r1), _rows(ctx.allowed, r0, r1))
+            s = _scores(q, k, ctx.scale, ctx.mask, r0, r1)
             p = torch.where(lt.isfinite(), torch.exp(s - torch.where(lt.isfinite(), lt, 0)), 0)
             flat_p, flat_go = p.view(b, kv_heads, group * rows, -1), go.reshape(b, kv_heads, group * rows, -1)
             grad_v += flat_p.transpose(-1, -2) @ flat_go
@@ -122,7 +147,7 @@ class _Block(torch.autograd.Function):
             ds = (p * (dp - shift)).view(b, kv_heads, group * rows, -1)
             grad_q[:, :, :, r0:r1] = (ds @ k).view_as(qt) * ctx.scale
             grad_k += ds.transpose(-1, -2) @ qt.reshape(b, kv_heads, group * rows, d) * ctx.scale
-        return grad_q, grad_k, grad_v, None, None, None
+        return grad_q, grad_k, grad_v, None, None
 
 
 def merge(a: tuple, b: tuple) -> tuple:
@@ -141,21 +166,12 @@ def block(p: Problem, rows: tuple[int, int], k, v, cols: tuple[int, int], positi
     columns [c0, c0 + m) of the masks; `positions` (query positions, key positions) when a causal mask
     cuts this block, else None. `pairs`: the (query chunk, key chunk) pairs it is, for `SCORES`."""
     (r0, n), (c0, m) = rows, cols
-    allowed, bias = None, None
-    if positions is not None:
-        q_pos, k_pos = positions
-        allowed = k_pos[None, :] <= q_pos[:, None]
-    if p.doc_q is not None:
-        same = (p.doc_q[:, r0 : r0 + n, None] == p.doc_k[:, None, c0 : c0 + m])[:, None, None]
-        allowed = same if allowed is None else allowed & same
-    if p.mask is not None:
-        cut = p.mask[..., r0 : r0 + n, c0 : c0 + m]
-        if cut.dtype == torch.bool:
-            allowed = cut if allowed is None else allowed & cut
-        else:
-            bias = cut
+    q_pos, k_pos = positions if positions is not None else (None, None)
+    docs = (None, None) if p.doc_q is None else (p.doc_q[:, r0 : r0 + n], p.doc_k[:, c0 : c0 + m])
+    user = None if p.mask is None else p.mask[..., r0 : r0 + n, c0 : c0 + m]
+    mask = Mask(q_pos, k_pos, *docs, user) if positions is not None or p.doc_q is not None or user is not None else None
     SCORES.note(p.q, p.heads, n, m, pairs)
-    return attend(p.q[:, :, :, r0 : r0 + n], k, v, p.scale, bias, allowed)
+    return attend(p.q[:, :, :, r0 : r0 + n], k, v, p.scale, mask)
 
 
 def attend_shard(p: Problem, acc: list, kv: torch.Tensor, src: int) -> bool:
