@@ -21,7 +21,7 @@ import math
 import torch
 import torch.fx as fx
 
-from .kv import _name, _shape
+from .kv import op_name, shape_of
 
 __all__ = ["eager_calls"]
 
@@ -40,14 +40,14 @@ def eager_calls(gm: fx.GraphModule, cp_sdpa, where) -> int:
         with gm.graph.inserting_before(node):
             if isinstance(mask, tuple):  # masked_fill's condition: where a score is hidden
                 mask = gm.graph.call_function(torch.logical_not, (mask[1],))
-                mask.meta["val"] = torch.empty(_shape(mask.args[0]), dtype=torch.bool, device="meta")
+                mask.meta["val"] = torch.empty(shape_of(mask.args[0]), dtype=torch.bool, device="meta")
             kwargs = {"causal": False, "scale": scale, "where": where(node)}
             call = gm.graph.call_function(cp_sdpa, (q, k, v, mask), kwargs)
         call.meta = dict(node.meta)
         chain = node.args[0]
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
-        while _name(chain) in _CASTS or _name(chain) == "dropout":  # a dropout counts as impure for fx's DCE
+        while op_name(chain) in _CASTS or op_name(chain) == "dropout":  # a dropout counts as impure for fx's DCE
             if chain.users:
                 break
             up = chain.args[0]
@@ -59,29 +59,29 @@ def eager_calls(gm: fx.GraphModule, cp_sdpa, where) -> int:
 
 def _match(node: fx.Node):
     """(q, k, v, mask or None, scale) when `node` is the last matmul of the pattern; else None."""
-    if _name(node) not in ("matmul", "__matmul__") or len(node.args) != 2:
+    if op_name(node) not in ("matmul", "__matmul__") or len(node.args) != 2:
         return None
     w, v = node.args
-    while _name(w) in _CASTS or (_name(w) == "dropout" and _no_dropout(w)):
+    while op_name(w) in _CASTS or (op_name(w) == "dropout" and _no_dropout(w)):
         w = w.args[0]
-    if _name(w) not in ("softmax", "_softmax") or not _last_dim(w):
+    if op_name(w) not in ("softmax", "_softmax") or not _last_dim(w):
         return None
     x, mask = w.args[0], None
-    if _name(x) in ("add", "__add__", "iadd") and len(x.args) == 2:
+    if op_name(x) in ("add", "__add__", "iadd") and len(x.args) == 2:
         x, mask = _scores_and_other(x)
         if x is None:
             return None
-    elif _name(x) == "masked_fill" and len(x.args) == 3 and _blocks(x.args[2]) and isinstance(x.args[1], fx.Node):
+    elif op_name(x) == "masked_fill" and len(x.args) == 3 and _blocks(x.args[2]) and isinstance(x.args[1], fx.Node):
         x, mask = x.args[0], ("not", x.args[1])  # filled where the condition holds: attend where it does not
     scale = 1.0
-    if _name(x) in ("mul", "__mul__", "div", "truediv", "__truediv__") and isinstance(x.args[1], (int, float)):
-        scale = float(x.args[1]) if _name(x) in ("mul", "__mul__") else 1 / float(x.args[1])
+    if op_name(x) in ("mul", "__mul__", "div", "truediv", "__truediv__") and isinstance(x.args[1], (int, float)):
+        scale = float(x.args[1]) if op_name(x) in ("mul", "__mul__") else 1 / float(x.args[1])
         x = x.args[0]
-    if _name(x) not in ("matmul", "__matmul__") or len(x.args) != 2:
+    if op_name(x) not in ("matmul", "__matmul__") or len(x.args) != 2:
         return None
     q, kt = x.args
     k = _untransposed(kt)
-    shapes = [_shape(t) for t in (q, k, v)]
+    shapes = [shape_of(t) for t in (q, k, v)]
     if k is None or any(s is None or len(s) != 4 for s in shapes) or not math.isfinite(scale):
         return None
     return q, k, v, mask, scale
@@ -95,7 +95,7 @@ def _blocks(value) -> bool:
 def _scores_and_other(add: fx.Node):
     a, b = add.args
     for scores, other in ((a, b), (b, a)):
-        if _name(scores) in ("mul", "__mul__", "div", "truediv", "__truediv__", "matmul", "__matmul__"):
+        if op_name(scores) in ("mul", "__mul__", "div", "truediv", "__truediv__", "matmul", "__matmul__"):
             return scores, other if isinstance(other, fx.Node) else None
     return None, None
 
@@ -108,16 +108,16 @@ def _no_dropout(node: fx.Node) -> bool:
 
 def _last_dim(node: fx.Node) -> bool:
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    shape = _shape(node)
+    shape = shape_of(node)
     return isinstance(dim, int) and shape is not None and dim % len(shape) == len(shape) - 1
 
 
 def _untransposed(kt) -> fx.Node | None:
     """k where `kt` is k (B, H, S, D) with its last two dims swapped."""
-    if _name(kt) != "transpose" or not isinstance(kt.args[0], fx.Node):
+    if op_name(kt) != "transpose" or not isinstance(kt.args[0], fx.Node):
         return None
     k = kt.args[0]
-    shape = _shape(k)
+    shape = shape_of(k)
     if shape is None or len(shape) != 4:
         return None
     dims = {d % 4 for d in kt.args[1:3]} if len(kt.args) >= 3 else set()

@@ -19,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-__all__ = ["repeated"]
+__all__ = ["op_name", "repeated", "shape_of"]
 
 _WHOLE = slice(None, None, None)
 _LIFTS = ((_WHOLE, _WHOLE, None), (_WHOLE, _WHOLE, None, _WHOLE, _WHOLE))  # x[:, :, None] and x[:, :, None, :, :]
@@ -28,32 +28,34 @@ _LIFTS = ((_WHOLE, _WHOLE, None), (_WHOLE, _WHOLE, None, _WHOLE, _WHOLE))  # x[:
 def repeated(node) -> tuple[fx.Node, int] | None:
     """`(source, repeats)` when `node` (B, H, S, D) is `source` (B, H/r, S, D) with each head repeated r times
     in place by one of the two patterns above; else None."""
-    out = _shape(node)
+    out = shape_of(node)
     if out is None or len(out) != 4:
         return None
-    name = _name(node)
+    name = op_name(node)
     if name == "repeat_interleave":
         src = node.args[0]
         reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
         fits = isinstance(reps, int) and reps > 0 and out[1] % reps == 0 and dim in (1, -3)
-        return (src, reps) if fits and _shape(src) == (out[0], out[1] // reps, *out[2:]) else None
-    if name not in ("reshape", "view") or _name(node.args[0]) != "expand":
+        return (src, reps) if fits and shape_of(src) == (out[0], out[1] // reps, *out[2:]) else None
+    if name not in ("reshape", "view") or op_name(node.args[0]) != "expand":
         return None
     lifted = node.args[0].args[0]
-    if not isinstance(lifted, fx.Node) or not (lifted.target is operator.getitem or _name(lifted) == "unsqueeze"):
+    if not isinstance(lifted, fx.Node) or not (lifted.target is operator.getitem or op_name(lifted) == "unsqueeze"):
         return None
     src, index = lifted.args[:2]
-    shape = _shape(src)
-    inserted = index == 2 if _name(lifted) == "unsqueeze" else index in _LIFTS
+    shape = shape_of(src)
+    inserted = index == 2 if op_name(lifted) == "unsqueeze" else index in _LIFTS
     if shape is None or len(shape) != 4 or not inserted:
         return None
     b, h, s, d = shape
     r = out[1] // h if out[1] % h == 0 else 0
-    return (src, r) if r and _shape(node.args[0]) == (b, h, r, s, d) and out == (b, h * r, s, d) else None
+    return (src, r) if r and shape_of(node.args[0]) == (b, h, r, s, d) and out == (b, h * r, s, d) else None
 
 
-def _name(node) -> str:
+def op_name(node) -> str:
+    """The op a node calls, by name ("matmul", "softmax", ...), for fx's and torch.export's graphs alike; "" for
+    anything but a call."""
     if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function"):
         return ""
     if isinstance(node.target, str):
@@ -62,6 +64,7 @@ def _name(node) -> str:
     return getattr(packet or node.target, "__name__", "")
 
 
-def _shape(node) -> tuple[int, ...] | None:
+def shape_of(node) -> tuple[int, ...] | None:
+    """A node's tensor shape (its `meta["val"]`), or None."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
