@@ -52,10 +52,8 @@ import torch.nn.functional as F
 
 from meshlib import Mesh, P
 
-from ..placement.placements import Layout, Shard
+from ..placement.placements import CP_AXIS, Layout, Shard
 from .source import TORCH_DIR
-
-CP_AXIS = "cp"
 
 
 def zigzag(dim: int) -> Shard:

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 INF = float("inf")
+CP_AXIS = "cp"  # context parallelism's mesh axis: a data axis outside attention (`capture.attention`)
 SLICE_COST = 1e-6  # below any collective's bytes
 
 

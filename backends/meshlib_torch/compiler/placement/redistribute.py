@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..capture.attention import CP_AXIS
 from ..capture.source import source_line
 from ..capture.values import run_dtype
-from .placements import PARTIAL, Layout, Pending, R, Replicate, Shard, bus_bytes, kind, natural_grad
+from .placements import CP_AXIS, PARTIAL, Layout, Pending, R, Replicate, Shard, bus_bytes, kind, natural_grad
 from .propagate import Axes, NodePlan
 from .shapes import padded
 
