@@ -1,7 +1,7 @@
 """Context parallelism on 4 gloo ranks: a long sequence against one process, the three cp methods against each
 other, and how much of the ring's transfer time its asynchronous hops hide.
 
-    python benchmarks/bench_context.py            # all three parts, about 10 minutes on 2 cores
+    python benchmarks/bench_context.py            # all three parts, a few minutes on 2 cores
     python benchmarks/bench_context.py --quick    # short sequences and few rounds: a smoke test
 
 (1) A long sequence: llama-tiny (its rotary table stretched to the sequence) on one sequence of `--seq`
