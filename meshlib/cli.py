@@ -31,7 +31,8 @@ from .sharding import UNEVEN_POLICIES
 ZERO_CHOICES = ("0", "1", "2", "3", "no_shard", "shard_grad_op", "full")
 LAUNCHED_ENV = "MESHLIB_LAUNCHER"  # set for the workers `meshlib run --nproc-per-node` starts
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_GRACE = 2.0  # seconds another rank waits before exiting on an error, so that rank 0 can say it
+_GRACE = 2.0  # seconds another rank waits before exiting on an error, so that rank 0 can say it...
+_GRACE_MAX = 15.0  # ...or, under torch's elastic agent, until rank 0's error file is written (at most this)
 
 EXAMPLES = """\
 examples:
@@ -329,8 +330,24 @@ def fail(message: str, *, status: int = 2):
         if os.environ.get("RANK", "0") == "0":
             print(message, file=sys.stderr, flush=True)
         else:
-            time.sleep(_GRACE)
+            _wait_for_rank0(error_file)
     raise SystemExit(status)
+
+
+def _wait_for_rank0(error_file: str | None) -> None:
+    """Another rank's exit ends the run (torchrun stops the rest): wait until rank 0 has written its error
+    file, which it does just before printing, when it runs on this node (torch's elastic agent keeps one
+    directory per local rank, `.../attempt_N/<local rank>/error.json`); at most `_GRACE_MAX` seconds. Without
+    one here, `_GRACE`. A loaded machine can put rank 0 seconds behind the others."""
+    same_node = os.environ.get("LOCAL_RANK", "0") == os.environ.get("RANK", "0")  # local rank 0 is rank 0
+    if not error_file or not same_node:
+        time.sleep(_GRACE)
+        return
+    path = os.path.join(os.path.dirname(os.path.dirname(error_file)), "0", os.path.basename(error_file))
+    deadline = time.monotonic() + _GRACE_MAX
+    while time.monotonic() < deadline and not os.path.exists(path):
+        time.sleep(0.05)
+    time.sleep(0.5)  # rank 0 prints right after writing its file
 
 
 def check_launch(args: argparse.Namespace, argv: list[str]) -> None:
