@@ -179,7 +179,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     plan = plan_of(mesh, specs, comms, specials, axes, traced, groups, plans, options.sequence_parallel, layouts)
     plan = with_data_parallel(plan, data, options)
     if regions["calls"]:
-        note = _cp_note(attention, regions, mesh, options.cp_method, options.cp_layout)
+        note = _cp_note(regions, mesh, options.cp_method, options.cp_layout)
         plan = plan.replace(notes=(*plan.notes, ("context parallelism", note)))
     if plain:
         note = ", ".join(plain) + ": the parts do not divide over the axes, so the split reads the output gathered"
@@ -200,7 +200,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     )  # fmt: skip
 
 
-def _cp_note(calls: list[str], regions: dict[str, int], mesh: Mesh, method: str, layout: str) -> str:
+def _cp_note(regions: dict[str, int], mesh: Mesh, method: str, layout: str) -> str:
     n = mesh.axis_size(CP_AXIS)
     how = {
         "ring": "ring_attention over cp={n} (keys and values around the ring)",
@@ -211,7 +211,7 @@ def _cp_note(calls: list[str], regions: dict[str, int], mesh: Mesh, method: str,
         "zigzag": f"in the head-tail layout (rank i holds chunks i and {2 * n - 1}-i of {2 * n}: causal work balanced)",
         "contiguous": "in the contiguous layout (causal work unbalanced: the last rank's is cp times the first's)",
     }[layout]
-    said = [f"{len(calls)} attention calls run as {how}, {where}"]
+    said = [f"{regions['calls']} attention calls run as {how}, {where}"]
     if regions["written out"]:
         said.append(f"{regions['written out']} of them written out as softmax(Q Kᵀ·scale + mask)·V, found and run so")
     if regions["unrepeated"]:

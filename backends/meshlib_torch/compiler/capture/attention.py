@@ -199,12 +199,12 @@ class Setting:
 def attention_as_regions(mesh: Mesh, data: tuple[str, ...], method: str = "ring", layout: str = "zigzag"):
     """While the block runs (tracing), `F.scaled_dot_product_attention` is recorded as `cp_sdpa` calls (fx), or
     made a region at once (torch.export), when `cp` (of size > 1) splits the inputs' sequence (`data`, the
-    data axes, holds it); else it does nothing. Yields a list that holds where each call was; give it to
-    `attention_regions` after tracing."""
-    calls = Calls(Setting(mesh, data, method, layout))
+    data axes, holds it); else it does nothing. Yields the `Setting` to give `attention_regions` after
+    tracing."""
+    setting = Setting(mesh, data, method, layout)
     n = cp_size(mesh)
     if n <= 1 or CP_AXIS not in data:
-        yield calls
+        yield setting
         return
     refusal = _Refusal()
 
@@ -215,15 +215,14 @@ def attention_as_regions(mesh: Mesh, data: tuple[str, ...], method: str = "ring"
         except ValueError as err:
             refusal.error = refusal.error or err
             raise
-        calls.append(where)
         kwargs = {"causal": bool(is_causal), "scale": scale, "where": where}
         if isinstance(q, fx.Proxy):
             return q.tracer.create_proxy("call_function", cp_sdpa, (q, k, v, attn_mask), kwargs)
-        return region_call(calls.setting, q, k, v, attn_mask, kwargs)  # torch.export: shapes known now
+        return region_call(setting, q, k, v, attn_mask, kwargs)  # torch.export: shapes known now
 
     F.scaled_dot_product_attention = sdpa
     try:
-        yield calls
+        yield setting
     except Exception:
         if refusal.error is not None:
             raise refusal.error from None
@@ -234,14 +233,6 @@ def attention_as_regions(mesh: Mesh, data: tuple[str, ...], method: str = "ring"
         raise refusal.error
 
 
-class Calls(list):
-    """Where each attention call of the traced model was, and the setting its regions take."""
-
-    def __init__(self, setting: Setting):
-        super().__init__()
-        self.setting = setting
-
-
 def region_call(setting: Setting, q, k, v, mask, kwargs):
     """The region of one call on tensors (torch.export's fake ones): its mask kept as it is."""
     spec = attention_spec(setting.mesh, setting.data)
@@ -250,7 +241,7 @@ def region_call(setting: Setting, q, k, v, mask, kwargs):
     return mapped(q, k, v) if mask is None else mapped(q, k, v, mask)
 
 
-def attention_regions(gm: fx.GraphModule, calls: Calls) -> dict[str, int]:
+def attention_regions(gm: fx.GraphModule, s: Setting) -> dict[str, int]:
     """Each `cp_sdpa` node of `gm` becomes its region (see the module docstring), with every value's shape
     known (`meta["val"]`): keys and values taken before a repeat to the query heads where their heads divide
     over `tp` (`kv.repeated`), a causal mask recognised by its value (`masks.constant_mask`) and dropped, any
@@ -259,7 +250,6 @@ def attention_regions(gm: fx.GraphModule, calls: Calls) -> dict[str, int]:
     from .kv import repeated
     from .masks import constant_mask
 
-    s = calls.setting
     tp = s.mesh.axis_size("tp") if _heads_axis(s.mesh) else 1
     spec = attention_spec(s.mesh, s.data)
     done = {"calls": 0, "unrepeated": 0, "causal masks": 0, "masks": 0, "written out": 0}
@@ -268,12 +258,10 @@ def attention_regions(gm: fx.GraphModule, calls: Calls) -> dict[str, int]:
         from .source import source_line
 
         done["written out"] = eager_calls(gm, cp_sdpa, source_line)
-        calls.extend(["written out"] * done["written out"])
-    calls = [(n, _call_of(n)) for n in gm.graph.nodes]
-    calls = [(n, c) for n, c in calls if c is not None]
-    if not calls:
+    found = [(n, c) for n in gm.graph.nodes if (c := _call_of(n)) is not None]
+    if not found:
         return done
-    for node, (q, k, v, mask, causal, scale, where) in calls:
+    for node, (q, k, v, mask, causal, scale, where) in found:
         src = [repeated(x) for x in (k, v)]
         if None not in src and src[0][1] == src[1][1] and src[0][0].meta["val"].shape[1] % tp == 0:
             k, v = src[0][0], src[1][0]
@@ -317,6 +305,6 @@ def _call_of(node: fx.Node):
 
 
 __all__ = [
-    "CP_AXIS", "Calls", "attention_as_regions", "attention_regions", "attention_spec", "cp_sdpa", "cp_size",
+    "CP_AXIS", "Setting", "attention_as_regions", "attention_regions", "attention_spec", "cp_sdpa", "cp_size",
     "mask_spec", "zigzag", "zigzag_input",
 ]  # fmt: skip

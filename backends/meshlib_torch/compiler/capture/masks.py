@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..attrs import has_attr, resolve
+
 __all__ = ["LIMIT", "constant_mask"]
 
 LIMIT = 1 << 26  # elements a mask (or any value it is computed from) may have to be evaluated while compiling
@@ -54,7 +56,7 @@ def _evaluate(gm: fx.GraphModule, node: fx.Node):
         if n.op in ("placeholder", "call_module", "output") or (isinstance(val, torch.Tensor) and val.numel() > LIMIT):
             return None
         if n.op == "get_attr":
-            attr = _attr(gm, n.target)
+            attr = resolve(gm, n.target) if has_attr(gm, n.target) else None
             if not isinstance(attr, torch.Tensor) or attr.is_meta or attr.requires_grad:
                 return None
         needed.add(n)
@@ -71,13 +73,6 @@ def _evaluate(gm: fx.GraphModule, node: fx.Node):
             return fx.GraphModule(gm, graph)()
     except Exception:  # an op that cannot run here: the mask is then not recognised, and kept as it is
         return None
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def _on_cpu(a):
