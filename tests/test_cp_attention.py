@@ -191,8 +191,9 @@ def results(mesh_name: str) -> dict:
 def _bytes_expected(case: Case, mesh) -> dict:
     """Logical bytes per rank at the attention's call sites, L = S/cp tokens per rank, 8 bytes an element in
     fp64 (4 in fp32):
-    ring: forward (cp-1) hops of K and V stacked, 2*B*Hkv*L*D*8 each ('send_recv'), backward the same (the
-    hops transposed); allgather: an all-gather of 2*B*Hkv*S*D*8 (its output), backward a reduce-scatter of it;
+    ring: forward (cp-1) hops of K and V stacked, 2*B*Hkv*L*D*8 each ('send_recv'); backward K and V go
+    around again, (cp-2) hops (a rank keeps the last shard that reached it and has its own), with their
+    gradient, (cp-1) hops of the same size in the compute dtype (here the inputs'); allgather: an all-gather of 2*B*Hkv*S*D*8 (its output), backward a reduce-scatter of it;
     ulysses: all-to-alls of q (B*Hq*L*D*8), k and v (2*B*Hkv*L*D*8) and the output (B*Hq*L*D*8), each again in
     backward. Documents: an all-gather of B*S int64 (forward only). Ulysses' mask: its rows for every query,
     a per-head mask by all-to-all (B*Hq*L*S*8 in), a shared one by all-gather (its output, S*S per batch row
@@ -206,7 +207,7 @@ def _bytes_expected(case: Case, mesh) -> dict:
     add = lambda key, n: out.__setitem__(key, out.get(key, 0) + n)
     if case.variant == "ring" and cp > 1:
         add(("forward", "send_recv"), (cp - 1) * kv)
-        add(("backward", "send_recv"), (cp - 1) * kv)
+        add(("backward", "send_recv"), (cp - 2) * kv + (cp - 1) * kv)
     if case.variant == "allgather":
         add(("forward", "all_gather"), cp * kv)
         add(("backward", "reduce_scatter"), cp * kv)
@@ -352,7 +353,8 @@ def _dry(fn, *, shapes, dtype="float64", mesh=None, extra=(), **kw):
 
 
 def test_a_dry_run_prices_the_ring_in_the_dtype_that_moves():
-    """bf16, cp=4, 2 key/value heads: 3 hops forward and 3 back of 2*B*Hkv*L*D*2 bytes, on meta tensors."""
+    """bf16, cp=4, 2 key/value heads, on meta tensors: 3 hops of K and V forward, 2*B*Hkv*L*D*2 bytes each;
+    backward K and V twice more and their gradient 3 times, in fp32 (twice the bytes), in the order sent."""
     from meshlib_torch.attention import ring_attention
 
     length = S // 4
@@ -360,8 +362,31 @@ def test_a_dry_run_prices_the_ring_in_the_dtype_that_moves():
                 causal=True, layout="zigzag")  # fmt: skip
     hop = 2 * B * 2 * length * D * 2
     assert [(r.phase, r.op, r.kind, r.bytes) for r in plan.records] == [
-        ("forward", "ppermute", "send_recv", hop)] * 3 + [("backward", "ppermute", "send_recv", hop)] * 3
+        ("forward", "ppermute", "send_recv", hop)] * 3 + [("backward", "ppermute", "send_recv", n) for n in (
+            hop, 2 * hop, hop, 2 * hop, 2 * hop)]
     assert plan.outputs.shape == (B, HQ, length, D) and plan.outputs.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_the_ring_keeps_what_its_shard_holds(cp):
+    """What `ring_attention` keeps for backward on a rank (its saved tensors, a dry run, bf16, GQA): q, k, v
+    and the output, (2*Hq + 2*Hkv)*B*L*D*2 bytes, the rows' log-sum-exp, B*Hq*L*4 (fp32), and the last K/V
+    shard to arrive, 2*B*Hkv*L*D*2: all in proportion to L = S/cp, so it falls by cp. (Keeping each shard
+    that arrived instead would be 2*B*Hkv*S*D*2, the whole sequence's keys and values.)"""
+    from meshlib_torch.attention import ring_attention
+
+    calls = []
+
+    def kept(q, k, v, **kw):
+        calls.append([])
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: calls[-1].append(t.nbytes) or t, lambda t: t):
+            return ring_attention(q, k, v, **kw)
+
+    length, hkv = S // cp, 2
+    _dry(kept, shapes=[(B, HQ, length, D), (B, hkv, length, D), (B, hkv, length, D)], dtype="bfloat16",
+         mesh=Mesh(cp=cp), causal=True, layout="zigzag")  # fmt: skip
+    want = (2 * HQ + 2 * hkv) * B * length * D * 2 + B * HQ * length * 4 + 2 * B * hkv * length * D * 2
+    assert sum(calls[-1]) == want
 
 
 def test_bad_arguments_are_named_with_their_fix():

@@ -126,8 +126,8 @@ RING_BYTES = {("gpt-tiny", "dp=2,cp=2"), ("llama-tiny", "cp=2"), ("gpt-tiny", "c
 
 def assert_ring_bytes(name: str, mesh: str, got: list) -> None:
     """Plan = measured = closed form, on every rank (the last step's counts of `run_parallel`): per layer and
-    step the ring moves (cp-1) hops of K and V, 2·B·Hkv·(S/cp)·D·itemsize bytes each, forward, and their
-    gradients the same way back (B the batch per dp rank, Hkv the key/value heads per tp rank: with GQA,
+    step the ring moves (cp-1) hops of K and V, 2·B·Hkv·(S/cp)·D·itemsize bytes each, forward; backward
+    K and V go around again, (cp-2) hops, with their gradients, (cp-1) hops (B the batch per dp rank, Hkv the key/value heads per tp rank: with GQA,
     kv_heads/heads of the bytes repeated heads would move, the heads never repeated before they travel).
     Learned positions are sliced, not gathered: nothing else moves over cp in forward or backward but the
     ring, the loss's sum and the gradient sync."""
@@ -144,11 +144,12 @@ def assert_ring_bytes(name: str, mesh: str, got: list) -> None:
         plan = planned(trace.plan, m.coords(rank))["comm"]
         assert trace.comm["by_kind"] == plan, (rank, trace.comm["by_kind"], plan)
         assert plan[("forward", "send_recv", "cp")] == layers * ring
-        assert plan[("backward", "send_recv", "cp")] == layers * ring
+        assert plan[("backward", "send_recv", "cp")] == layers * ring * (2 * cp - 3) // (cp - 1)
         over_cp = {k for k in plan if "cp" in k[2].split("_") and k[1] not in ("send_recv",)}
         assert over_cp <= {("forward", "all_reduce", "cp"), ("forward", "all_reduce", "dp_cp"),
                            ("backward", "all_reduce", "dp_cp"), ("backward", "all_reduce", "cp")}, over_cp
-    print(f"{name} {mesh}: ring bytes per layer {ring} forward, {ring} backward (closed form = plan = counted); "
+    print(f"{name} {mesh}: ring bytes per layer {ring} forward, {ring * (2 * cp - 3) // (cp - 1)} backward (closed "
+          "form = plan = counted); "
           f"{ring / repeated:g} of what repeated key/value heads would move")
 
 

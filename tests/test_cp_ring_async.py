@@ -2,10 +2,10 @@
 
 Method: `ring_attention` (cp=4, full attention, contiguous layout: one block per hop) runs on real gloo ranks
 with its events logged in order on each rank, not timed: a hop begun (`EagerBackend.permute_start`), a hop
-waited for (`InFlight.wait`), a block computed (`local.attend`) and, in backward, a block's backward begun (an
-identity autograd node on the block's result). Forward, every hop must be begun before a block and waited for
-after it; backward, the wait's backward begins sending the gradient of the shard that arrived back around the
-ring and the start's backward waits for it, with a block's backward between the two. `lax.ppermute_start`
+waited for (`InFlight.wait`) and a block computed (`local.attend` forward, `local.grads` backward). Forward,
+every hop must be begun before a block and waited for after it. Backward, the keys and values go around the
+ring again with their gradient: each K/V hop is begun before a block and waited for after it, and each
+gradient hop begun after a block is waited for after the next one. `lax.ppermute_start`
 itself: its values and gradients equal `lax.ppermute`'s, and a dry run records the same bytes.
 """
 
@@ -19,37 +19,28 @@ from meshlib import Mesh, P  # noqa: E402
 from meshlib_torch.testing.pool import get_pool  # noqa: E402
 
 FORWARD = ["start", "block", "wait"] * 3 + ["block"]  # cp=4: 3 hops, 4 blocks
-BACKWARD = ["block", "start", "block", "wait", "start", "block", "wait", "start", "block", "wait"]
-
-
-class _Marked(torch.autograd.Function):
-    """The identity; notes when its backward runs (where the block's own backward begins)."""
-
-    @staticmethod
-    def forward(ctx, x, log):
-        ctx.log = log
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.log.append("block")
-        return grad, None
+# backward, step by step: the K/V hop begun before the block and its gradient's after it; each waited for
+# one block later (the last step's shard is the rank's own: no K/V hop)
+BACKWARD = ["start", "block", "start"] + ["wait", "start", "block", "wait", "start"] + [
+    "wait", "block", "wait", "start"] + ["block", "wait"]
 
 
 def logged_ring_job() -> dict:
     from meshlib_torch import shard_map
-    from meshlib_torch.attention import local, ring_attention
+    from meshlib_torch.attention import local, ring, ring_attention
     from meshlib_torch.spmd import backend, eager
 
     log: list = []
-    saved = local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait
+    saved = local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait, ring.grads
 
     def attend(*args):  # the shard_map's dry run first (meta tensors) is not logged
         out, lse = saved[0](*args)
-        if out.is_meta:
-            return out, lse
+        log.extend([] if out.is_meta else ["block"])
+        return out, lse
+
+    def grads(*args):
         log.append("block")
-        return _Marked.apply(out, log), lse
+        return saved[3](*args)
 
     def start(self, *args):
         log.append("start")
@@ -60,7 +51,7 @@ def logged_ring_job() -> dict:
         log.extend([] if out.is_meta else ["wait"])
         return out
 
-    local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait = attend, start, wait
+    local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait, ring.grads = attend, start, wait, grads
     try:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, 2, 16, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
@@ -73,7 +64,7 @@ def logged_ring_job() -> dict:
         y.sum().backward()
         return {"forward": forward, "backward": list(log)}
     finally:
-        local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait = saved
+        local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait, ring.grads = saved
 
 
 def permute_job() -> dict:

@@ -8,8 +8,8 @@ Per rank, with L = S/cp tokens of every head (B, H, L, D), each function gives t
 softmax(Q Kᵀ/√D + mask) V over the whole sequence:
 
 - `ring_attention` (`ring`): queries stay, keys and values go around the ring, cp-1 `ppermute` hops, each
-  block merged by log-sum-exp (`local`); the gradients of K and V travel back the same way. The hops are
-  asynchronous (`lax.ppermute_start`): each is under way while a block is computed, forward and backward.
+  block merged by log-sum-exp (`local`); backward sends them around again with their gradients, so a rank
+  keeps O(S/cp). The hops are asynchronous: each is under way while a block is computed, forward and backward.
 - `allgather_attention` (`allgather`): keys and values gathered once, then the same blocks.
 - `ulysses_attention` (`ulysses`): all-to-all from sequence shards to head shards and back (DeepSpeed-Ulysses);
   query and key/value heads multiples of cp.

@@ -130,6 +130,11 @@ def _check_mask(op: str, mask, q: torch.Tensor, cp: int) -> None:
     if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
         what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise TypeError(f"{op}: mask must be a bool tensor (True: attend) or a floating one (added); got {what}")
+    if mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{op}: mask requires grad (a learned bias?), but the attention does not differentiate its mask. Fix: "
+            "pass mask.detach() if it is a constant, or add a learned bias to the scores outside context parallelism"
+        )
     b, hq, length, _ = q.shape
     rows_cols = (length, length * cp)
     ok = mask.dim() == 2 and tuple(mask.shape) == rows_cols

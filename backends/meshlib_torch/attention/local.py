@@ -31,7 +31,7 @@ import torch
 from .flops import SCORES
 from .inputs import Problem
 
-__all__ = ["Mask", "attend", "attend_shard", "block", "finish", "merge"]
+__all__ = ["Mask", "Piece", "attend", "attend_shard", "block", "block_mask", "finish", "grads", "merge", "pieces"]
 
 _NEG = float("-inf")
 
@@ -132,22 +132,31 @@ class _Block(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for r0, r1 in _tiles(q, k.shape[-2]):
-            qt, ot, lt, go = q[:, :, :, r0:r1], out[:, :, :, r0:r1], lse[:, :, :, r0:r1], grad_out[:, :, :, r0:r1]
-            b, kv_heads, group, rows, d = qt.shape
-            s = _scores(q, k, ctx.scale, ctx.mask, r0, r1)
-            p = torch.where(lt.isfinite(), torch.exp(s - torch.where(lt.isfinite(), lt, 0)), 0)
-            flat_p, flat_go = p.view(b, kv_heads, group * rows, -1), go.reshape(b, kv_heads, group * rows, -1)
-            grad_v += flat_p.transpose(-1, -2) @ flat_go
-            dp = (flat_go @ v.transpose(-1, -2)).view_as(p)
-            shift = (go * ot).sum(-1, keepdim=True)
-            if grad_lse is not None:
-                shift = shift - grad_lse[:, :, :, r0:r1]
-            ds = (p * (dp - shift)).view(b, kv_heads, group * rows, -1)
-            grad_q[:, :, :, r0:r1] = (ds @ k).view_as(qt) * ctx.scale
-            grad_k += ds.transpose(-1, -2) @ qt.reshape(b, kv_heads, group * rows, d) * ctx.scale
-        return grad_q, grad_k, grad_v, None, None
+        return (*grads(q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.mask), None, None)
+
+
+def grads(q, k, v, out, lse, grad_out, grad_lse, scale: float, mask: Mask | None) -> tuple:
+    """(dQ, dK, dV) of a block of queries q (B, Hkv, G, rows, D) over keys k and values v (B, Hkv, cols, D),
+    given `out` and `lse` (the block's, or the whole row's: then the probabilities are the row's share of
+    this block, and `grad_lse` is None), the gradient `grad_out` of out, and `grad_lse` of lse (or None).
+    Scores are computed again a tile of query rows at a time (`_Block`'s formulas)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for r0, r1 in _tiles(q, k.shape[-2]):
+        qt, ot, lt, go = q[:, :, :, r0:r1], out[:, :, :, r0:r1], lse[:, :, :, r0:r1], grad_out[:, :, :, r0:r1]
+        b, kv_heads, group, rows, d = qt.shape
+        s = _scores(q, k, scale, mask, r0, r1)
+        p = torch.where(lt.isfinite(), torch.exp(s - torch.where(lt.isfinite(), lt, 0)), 0)
+        flat_p, flat_go = p.view(b, kv_heads, group * rows, -1), go.reshape(b, kv_heads, group * rows, -1)
+        grad_v += flat_p.transpose(-1, -2) @ flat_go
+        dp = (flat_go @ v.transpose(-1, -2)).view_as(p)
+        shift = (go * ot).sum(-1, keepdim=True)
+        if grad_lse is not None:
+            shift = shift - grad_lse[:, :, :, r0:r1]
+        ds = (p * (dp - shift)).view(b, kv_heads, group * rows, -1)
+        grad_q[:, :, :, r0:r1] = (ds @ k).view_as(qt) * scale
+        grad_k += ds.transpose(-1, -2) @ qt.reshape(b, kv_heads, group * rows, d) * scale
+    return grad_q, grad_k, grad_v
 
 
 def merge(a: tuple, b: tuple) -> tuple:
@@ -161,28 +170,47 @@ def merge(a: tuple, b: tuple) -> tuple:
     return (out_a * w_a + out_b * w_b) / safe, torch.where(total > 0, top + torch.log(safe), _NEG)
 
 
-def block(p: Problem, rows: tuple[int, int], k, v, cols: tuple[int, int], positions, *, pairs: int) -> tuple:
-    """(out, lse) of the query rows [r0, r0 + n) of `p` over keys k and values v (B, Hkv, m, D), the key
-    columns [c0, c0 + m) of the masks; `positions` (query positions, key positions) when a causal mask
-    cuts this block, else None. `pairs`: the (query chunk, key chunk) pairs it is, for `SCORES`."""
+def block_mask(p: Problem, rows: tuple[int, int], cols: tuple[int, int], positions) -> Mask | None:
+    """What hides or shifts the block of query rows [r0, r0 + n) of `p` and key columns [c0, c0 + m) of the
+    masks; `positions` (query positions, key positions) when a causal mask cuts this block, else None."""
     (r0, n), (c0, m) = rows, cols
     q_pos, k_pos = positions if positions is not None else (None, None)
     docs = (None, None) if p.doc_q is None else (p.doc_q[:, r0 : r0 + n], p.doc_k[:, c0 : c0 + m])
     user = None if p.mask is None else p.mask[..., r0 : r0 + n, c0 : c0 + m]
-    mask = Mask(q_pos, k_pos, *docs, user) if positions is not None or p.doc_q is not None or user is not None else None
-    SCORES.note(p.q, p.heads, n, m, pairs)
-    return attend(p.q[:, :, :, r0 : r0 + n], k, v, p.scale, mask)
+    if positions is None and p.doc_q is None and user is None:
+        return None
+    return Mask(q_pos, k_pos, *docs, user)
 
 
-def attend_shard(p: Problem, acc: list, kv: torch.Tensor, src: int) -> bool:
-    """Merge into `acc` (per query chunk of this rank: (out, lse), or None before its first block) the
-    attention of this rank's query chunks over source rank `src`'s keys and values, kv (2, B, Hkv, L, D).
+def block(p: Problem, rows: tuple[int, int], k, v, cols: tuple[int, int], positions, *, pairs: int) -> tuple:
+    """(out, lse) of the query rows [r0, r0 + n) of `p` over keys k and values v (B, Hkv, m, D), the key
+    columns [c0, c0 + m) of the masks (`block_mask`). `pairs`: the (query chunk, key chunk) pairs it is,
+    for `SCORES`."""
+    r0, n = rows
+    SCORES.note(p.q, p.heads, n, cols[1], pairs)
+    return attend(p.q[:, :, :, r0 : r0 + n], k, v, p.scale, block_mask(p, rows, cols, positions))
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One block of `attend_shard`: query chunk `chunk` of this rank (rows [r0, r0 + n) of its queries)
+    against the first `keys` tokens of the source shard, key columns [c0, c0 + keys) of the masks;
+    `positions` when a causal mask cuts it; `pairs` (query chunk, key chunk) pairs, for `SCORES`."""
+
+    chunk: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    positions: tuple | None
+    pairs: int
+
+
+def pieces(p: Problem, src: int) -> list[Piece]:
+    """The blocks this rank computes against source rank `src`'s keys, one per query chunk that sees any.
 
     Chunks are stored in ascending position, so the key chunks a query chunk can see under a causal mask
-    are a prefix of `src`'s: the first `n`, those that begin before the query chunk ends. Returns whether
-    any block was computed (False: every key of `src` is hidden from every query here)."""
-    sh, c = p.shards, p.shards.chunk
-    k_starts, used = sh.starts(src), False
+    are a prefix of `src`'s: the first `n`, those that begin before the query chunk ends."""
+    sh, c, out = p.shards, p.shards.chunk, []
+    k_starts = sh.starts(src)
     for a, q0 in enumerate(sh.starts(p.rank)):
         n = sum(s <= q0 + c - 1 for s in k_starts) if p.causal else len(k_starts)
         if n == 0:
@@ -190,11 +218,20 @@ def attend_shard(p: Problem, acc: list, kv: torch.Tensor, src: int) -> bool:
         cuts = p.causal and k_starts[n - 1] + c - 1 > q0  # some key later than some query
         device = p.q.device
         positions = (sh.positions([q0], device), sh.positions(k_starts[:n], device)) if cuts else None
-        k, v = kv[0, :, :, : n * c], kv[1, :, :, : n * c]
-        piece = block(p, (a * c, c), k, v, (src * sh.local, n * c), positions, pairs=n)
-        acc[a] = piece if acc[a] is None else merge(acc[a], piece)
-        used = True
-    return used
+        out.append(Piece(a, (a * c, c), (src * sh.local, n * c), positions, n))
+    return out
+
+
+def attend_shard(p: Problem, acc: list, kv: torch.Tensor, src: int) -> bool:
+    """Merge into `acc` (per query chunk of this rank: (out, lse), or None before its first block) the
+    attention of this rank's query chunks over source rank `src`'s keys and values, kv (2, B, Hkv, L, D).
+    Returns whether any block was computed (False: every key of `src` is hidden from every query here)."""
+    blocks = pieces(p, src)
+    for b in blocks:
+        m = b.cols[1]
+        piece = block(p, b.rows, kv[0, :, :, :m], kv[1, :, :, :m], b.cols, b.positions, pairs=b.pairs)
+        acc[b.chunk] = piece if acc[b.chunk] is None else merge(acc[b.chunk], piece)
+    return bool(blocks)
 
 
 def finish(p: Problem, acc: list, dtype: torch.dtype) -> torch.Tensor:

@@ -7,28 +7,34 @@ causal mask hides entirely are skipped) and merged into the running result by th
 al., "Ring Attention with Blockwise Transformers", 2023).
 
 Bytes per rank (counted in `COUNTER` as kind "send_recv"): forward cp-1 hops of 2*B*Hkv*(S/cp)*D*itemsize,
-(cp-1)/cp of the sequence's K and V; backward the same again, since autograd transposes each hop
-(`lax.ppermute`'s backward is the inverse permutation), so the gradients of K and V travel back around the
-ring, each rank adding its blocks' contribution as they pass. `doc_ids` are gathered once (B*S ints).
+(cp-1)/cp of the sequence's K and V. Backward sends K and V around again, the other way, with their gradient
+(`_Ring`): cp-2 hops of K and V (a rank keeps the last shard that reached it and has its own) and cp-1 hops
+of their gradient, summed in the compute dtype (fp32 for bf16 inputs: twice their bytes). `doc_ids` are
+gathered once (B*S ints).
 
-Overlap: each hop is asynchronous (`lax.ppermute_start`: torch.distributed's `all_to_all_single` with
-`async_op=True`, gloo and NCCL alike). The next hop is begun before the current block is computed and waited
-for after it, so the transfer runs while the block does. In backward the hop's wait begins sending the
-gradient of the shard that arrived back around the ring, and its start waits for it; autograd runs the nodes
-recorded later first, so the block computed between them (its backward) runs while that gradient travels.
-Waits are bounded by the process group's timeout. Memory: a block keeps its output and log-sum-exp for the
-backward, not its scores (`local._Block` computes them again there, a tile of query rows at a time); what
-stays is every K/V shard that arrived, 2*B*Hkv*S*D per rank and layer (the whole sequence's keys and values
-at the key/value width), since backward reads them where they are rather than sending them around again.
+Memory: what a rank keeps for backward is its q, k, v, the output, the rows' log-sum-exp and the last shard
+that reached it: O(S/cp) per layer, as ring-flash-attention and TransformerEngine keep. Backward computes
+the scores again from them (flash attention's recomputation, `local.grads`), a tile of query rows at a time.
+
+Overlap: each hop is asynchronous (`lax.ppermute_start` forward, the backend's `permute_start` backward:
+torch.distributed's `all_to_all_single` with `async_op=True`, gloo and NCCL alike). Forward, the next hop is
+begun before the current block is computed and waited for after it. Backward, a shard's K/V hop is begun
+before its blocks are computed, and its gradient's hop after them, waited for after the next shard's blocks.
+Waits are bounded by the process group's timeout.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from .. import lax
+from ..spmd.records import Call
+from ..spmd.region import Axes, current, user_line
 from .inputs import Problem, check, compute_dtype, default_scale, host_index, mask5, split_heads
-from .local import attend_shard, finish
+from .local import attend_shard, block_mask, finish, grads, pieces
+from .zigzag import Shards
 
 __all__ = ["gathered_docs", "ring_attention", "shard_problem"]
 
@@ -45,36 +51,100 @@ def ring_attention(
     this rank's query rows and all key columns (see `inputs`); `scale` defaults to 1/sqrt(D)."""
     shards = check("ring_attention", q, k, v, axis=axis, causal=causal, mask=mask, doc_ids=doc_ids, scale=scale,
                    layout=layout)  # fmt: skip
-    p = shard_problem(q, k, shards, host_index(axis, "ring_attention"), causal, mask, doc_ids, scale, axis)
-    n = shards.cp
-    ring = [(j, (j + 1) % n) for j in range(n)]
-    kv = torch.stack([k, v])
-    acc = [None] * len(shards.starts(p.rank))
-    for step in range(n):
-        arriving = lax.ppermute_start(kv, axis, ring) if step + 1 < n else None  # the next hop, under way...
-        used = attend_shard(p, acc, kv, (p.rank - step) % n)  # ...while this block is computed
-        last, kv = kv, arriving.wait() if arriving is not None else None
-    out = finish(p, acc, q.dtype)
-    return out if used or n == 1 else _Tie.apply(out, last)
+    rank = host_index(axis, "ring_attention")
+    region = current("ring_attention")
+    back = _Back(region.backend, region.axes(axis, "ppermute"), Call("ppermute", user_line()))
+    return _Ring.apply(q, k, v, _Call(axis, shards, rank, causal, mask, doc_ids, scale, back))
 
 
-class _Tie(torch.autograd.Function):
-    """`out` as it is, with a zero gradient for `last`, the last shard to arrive, which this rank did not need.
+@dataclass(frozen=True)
+class _Call:
+    axis: str
+    shards: Shards
+    rank: int
+    causal: bool
+    mask: torch.Tensor | None
+    doc_ids: torch.Tensor | None
+    scale: float | None
+    back: _Back
 
-    Every rank must run the backward of every hop (each is a collective: a rank with nothing to return still
-    sends zeros and receives its neighbour's gradient). Autograd runs a hop's backward only if its output
-    reaches the loss. Each earlier shard reaches it through the next hop, so tying the last one to the result
-    is enough (under a causal contiguous layout, rank i < cp-1 needs none of the shards after its own)."""
+
+@dataclass(frozen=True)
+class _Back:
+    """How the backward sends along the ring: autograd runs it after `shard_map` has returned, so it goes
+    to the region's backend itself (as `lax`'s own backward rules do), counted under the user's call."""
+
+    backend: object
+    axes: Axes
+    call: Call
+
+    def start(self, x: torch.Tensor):
+        """`x` sent to the previous rank along the ring, under way (`wait()` gives what the next one sent)."""
+        return self.backend.permute_start(x, self.axes, tuple(_hops(self.axes.size, -1)), self.call)
+
+
+class _Ring(torch.autograd.Function):
+    """The ring, forward and backward, keeping O(S/cp) per rank: its q, k, v, the last shard to arrive,
+    the output and the log-sum-exp of every query row.
+
+    Forward: after `step` hops rank r holds the keys and values of rank r - step; the last to arrive is
+    rank r+1's. Backward runs the ring the other way round: at step s rank r holds those of rank r+1+s
+    (first the one it kept, last its own), together with the gradient of that shard summed over the ranks
+    that held it before; it adds its blocks' share (`local.grads`, from the rows' final out and lse) and
+    passes both to rank r-1. The shard's gradient is complete when the shard is back home, at the last
+    step. Hops: keys and values cp-2 times, their gradient (in the compute dtype) cp-1 times. Each is
+    asynchronous: the next K/V hop travels while a shard's blocks are computed, and a gradient hop while
+    the next shard's are."""
 
     @staticmethod
-    def forward(ctx, out, last):
-        ctx.last = (last.shape, last.dtype, last.device)
-        return out.view_as(out)
+    def forward(ctx, q, k, v, call):
+        p = shard_problem(q, k, call.shards, call.rank, call.causal, call.mask, call.doc_ids, call.scale, call.axis)
+        n = call.shards.cp
+        kv = torch.stack([k, v])
+        acc = [None] * len(call.shards.starts(p.rank))
+        for step in range(n):
+            arriving = lax.ppermute_start(kv, call.axis, _hops(n, +1)) if step + 1 < n else None
+            attend_shard(p, acc, kv, (p.rank - step) % n)  # computed while the next hop travels
+            kv = arriving.wait() if arriving is not None else kv
+        out = finish(p, acc, q.dtype)
+        ctx.save_for_backward(q, k, v, kv, out, torch.cat([lse for _, lse in acc], dim=3))
+        ctx.p, ctx.back = replace(p, q=None), call.back
+        return out
 
     @staticmethod
-    def backward(ctx, grad):
-        shape, dtype, device = ctx.last
-        return grad, torch.zeros(shape, dtype=dtype, device=device)
+    def backward(ctx, grad_out):
+        q, k, v, last, out, lse = ctx.saved_tensors
+        hkv, dtype = k.shape[1], lse.dtype
+        p = replace(ctx.p, q=split_heads(q, hkv).to(dtype))
+        n = p.shards.cp
+        out5, grad5 = split_heads(out, hkv).to(dtype), split_heads(grad_out, hkv).to(dtype)
+        grad_q, own = torch.zeros_like(p.q), torch.stack([k, v])
+        kv, kv_hop, grad_hop = last, None, None
+        for step in range(n):
+            if step:
+                kv = own if step == n - 1 else kv_hop.wait()
+            if step < n - 2:
+                kv_hop = ctx.back.start(kv)  # rank r-1 attends to it next
+            part = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
+            for b in pieces(p, (p.rank + 1 + step) % n):
+                (r0, rows), m = b.rows, b.cols[1]
+                mask = block_mask(p, b.rows, b.cols, b.positions)
+                t = slice(r0, r0 + rows)
+                dq, dk, dv = grads(p.q[:, :, :, t], kv[0, :, :, :m], kv[1, :, :, :m], out5[:, :, :, t],
+                                   lse[:, :, :, t], grad5[:, :, :, t], None, p.scale, mask)  # fmt: skip
+                grad_q[:, :, :, t] += dq
+                part[0, :, :, :m] += dk
+                part[1, :, :, :m] += dv
+            if step:
+                part += grad_hop.wait()
+            if step < n - 1:
+                grad_hop = ctx.back.start(part)
+        return grad_q.view(q.shape).to(q.dtype), part[0].to(k.dtype), part[1].to(v.dtype), None
+
+
+def _hops(n: int, direction: int) -> list[tuple[int, int]]:
+    """Every rank along the ring sends to its neighbour `direction` away (+1: the next, -1: the previous)."""
+    return [(j, (j + direction) % n) for j in range(n)]
 
 
 def shard_problem(q, k, shards, rank: int, causal: bool, mask, doc_ids, scale, axis: str) -> Problem:
