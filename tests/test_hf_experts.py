@@ -73,6 +73,8 @@ def _parity(name: str, mesh: str, options: dict) -> None:
         ("deepseek-v3", "dp=2,ep=2", {}),
         ("deepseek-v3", "ep=2,pp=2", PP),
         ("mixtral", "dp=2,ep=2", {"zero": 3}),
+        ("mixtral", "ep=2,cp=2", {}),  # the sequence over cp: ring attention, experts take head-tail chunks
+        ("deepseek-v3", "ep=2,cp=2", {}),
         ("deepseek-v3", "dp=2,ep=2", {"zero": 1}),
     ],
 )

@@ -20,7 +20,7 @@ from meshlib import Mesh
 from meshlib.options import Parallelism
 
 from ..modules.recompute import Remat, gathers
-from .capture.attention import CP_AXIS, attention_as_regions, attention_regions, zigzag
+from .capture.attention import CP_AXIS, attention_as_regions, attention_regions
 from .capture.blocks import layer_paths, partition
 from .capture.call import Call
 from .capture.moe import balancing_routers, check_moe, expert_weight_specs, experts_as_regions, full_buffers
@@ -31,7 +31,7 @@ from .estimates.records import plan_of, with_data_parallel
 from .estimates.saved import Census, census, kept_layers, remat_notes, remat_of
 from .placement import annotate as _annotate
 from .placement.localize import fold_scalars, localize
-from .placement.placements import Shard, sync_axes
+from .placement.placements import Shard, sync_axes, zigzag
 from .placement.propagate import Axes, propagate
 from .placement.rank_ops import check_regions
 from .placement.redistribute import CommSpec, data_gathers, insert_comms, partial_grad_params

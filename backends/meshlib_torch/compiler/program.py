@@ -21,10 +21,10 @@ from meshlib.cost import fsdp2_memory, zero_memory
 from meshlib.options import Parallelism
 
 from ..modules.recompute import Remat
-from .capture.attention import CP_AXIS, cp_size, zigzag, zigzag_input
+from .capture.attention import CP_AXIS, cp_size, zigzag_input
 from .capture.trace import Traced
 from .placement.annotate import check_single_axis_uneven, spec_to_layout
-from .placement.placements import Layout, Shard, sync_axes, zero1_split
+from .placement.placements import Layout, Shard, sync_axes, zero1_split, zigzag
 from .placement.propagate import Axes, NodePlan
 from .placement.rank_ops import SpecialSpec
 from .placement.redistribute import CommSpec
@@ -191,7 +191,7 @@ def input_layouts(
 ) -> dict[str, Layout]:
     """Each input's layout: its spec from `in_specs` (by name, or in order), else the batch split over dp.
     Under `cp_layout="zigzag"` an input's sequence dim (1) split over `cp` holds each rank's head-tail chunks
-    (`capture.attention.zigzag`): the same values as `P(..., "cp")` gives, in another order over the ranks."""
+    (`placement.placements.zigzag`): the same values as `P(..., "cp")` gives, in another order over the ranks."""
     names = list(tensors)
     if in_specs is None:
         seq = sequence_length(tensors)

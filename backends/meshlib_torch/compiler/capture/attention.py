@@ -52,13 +52,8 @@ import torch.nn.functional as F
 
 from meshlib import Mesh, P
 
-from ..placement.placements import CP_AXIS, Layout, Shard
+from ..placement.placements import CP_AXIS, Layout, Shard, zigzag
 from .source import TORCH_DIR
-
-
-def zigzag(dim: int) -> Shard:
-    """The head-tail placement of a sequence dim over `cp`: two chunks per rank, i and 2*cp-1-i."""
-    return Shard(dim, 2, mirror=True)
 
 
 def zigzag_input(layout: Layout, mesh: Mesh, shape: tuple[int, ...], name: str, layout_name: str = "zigzag") -> Layout:

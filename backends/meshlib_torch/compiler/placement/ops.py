@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .bind import OpView, dims_arg
 from .parts import index_slice, part_taken, slice_bounds, view_dims
-from .placements import PARTIAL, Partial, Placement, R, Replicate, Shard, part_sizes
+from .placements import PARTIAL, Partial, Placement, R, Replicate, Shard, part_sizes, zigzag
 from .shapes import index_dim_map, view_shards
 
 Out = Placement | tuple[Placement, ...]
@@ -520,7 +520,7 @@ def _layout(spec, fn) -> tuple[Placement, ...]:
         return layout
     i = fn.mesh.axis_names.index(fn.zigzag)
     p = layout[i]
-    return (*layout[:i], Shard(p.dim, 2, mirror=True), *layout[i + 1 :]) if isinstance(p, Shard) else layout
+    return (*layout[:i], zigzag(p.dim), *layout[i + 1 :]) if isinstance(p, Shard) else layout
 
 
 def replicate(v: OpView, cur: list[Placement], hint=()) -> list[Strategy]:

@@ -74,6 +74,11 @@ class Shard:
         return f"S({self.dim})" if self.groups == 1 else f"S({self.dim}/{self.groups})"
 
 
+def zigzag(dim: int) -> Shard:
+    """The head-tail placement of a sequence dim over `cp`: two chunks per rank, i and 2*cp-1-i."""
+    return Shard(dim, 2, mirror=True)
+
+
 def part_sizes(p: Shard, size: int) -> tuple[int, ...] | None:
     """The sizes of the parts `p` views a dim of `size` as (each then split over the axis); one part
     for a plain shard. None when `size` is no multiple of the parts' total."""
