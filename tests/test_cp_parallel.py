@@ -525,17 +525,18 @@ def _long(mesh: str) -> dict:
     return dict(mesh=m, rules=models.default_rules(cfg, m), idle_axes=("dp",) if mesh == "dp=1" else ()), cfg
 
 
-def _planned_peak(mesh: str) -> int:
-    """The plan's dry-run peak per rank of one fp32 training step of llama-tiny on 2 sequences of `LONG` tokens."""
+def _planned_peak(mesh: str, options: dict | None = None) -> int:
+    """The plan's dry-run peak per rank of one training step of llama-tiny (fp32 unless `options` say) on 2
+    sequences of `LONG` tokens."""
     from meshlib_torch import models
 
     kwargs, cfg = _long(mesh)
     example = tuple(torch.empty(2, LONG, dtype=torch.long, device="meta") for _ in range(2))
     return compile_model(models.build(cfg, device="meta"), example_inputs=example, estimate_memory=True,
-                         **kwargs).plan.rank_memory(None).peak  # fmt: skip
+                         **kwargs, **(options or {})).plan.rank_memory(None).peak  # fmt: skip
 
 
-def _peak(mesh: str) -> int:
+def _peak(mesh: str, options: dict | None = None) -> int:
     """The measured peak bytes of that step on this rank: `PeakTracker` over the step, with parameters,
     buffers and optimizer state as its baseline (the plan counts them so)."""
     from meshlib_torch import PeakTracker, models, parallelize
@@ -545,7 +546,7 @@ def _peak(mesh: str) -> int:
     with torch.device("meta"):
         module = models.build(cfg)
     batch = mdata.batch(0, batch_size=2, seq_len=LONG)
-    par = parallelize(module, example_inputs=batch, init=lambda n: ("normal", 0.02), **kwargs)
+    par = parallelize(module, example_inputs=batch, init=lambda n: ("normal", 0.02), **kwargs, **(options or {}))
     opt = par.optimizer(lr=1e-3)
     par.train_step(batch, opt)
     state = [v for st in opt.state.values() for v in st.values()]
@@ -568,6 +569,16 @@ def test_the_peak_per_rank_falls_with_cp_as_the_plan_says():
     assert one == pytest.approx(plan_one, rel=0.1)
     assert all(m == pytest.approx(plan_four, rel=0.1) for m in four), four
     assert plan_one / plan_four > 2
+
+
+@pytest.mark.ranks
+def test_the_plans_peak_on_cp_holds_under_recompute_and_bf16():
+    """The same step on cp=4 with block recompute (the ring runs again in the recomputed forward) and bf16:
+    every rank's measured peak is the plan's within 10%."""
+    options = {"recompute": "block", "precision": "bf16"}
+    plan, got = _planned_peak("cp=4", options), get_pool(4).run(_peak, "cp=4", options)
+    print(f"cp=4, block recompute, bf16: plan {plan / 2**20:.2f} MiB, measured {[round(m / 2**20, 2) for m in got]}")
+    assert all(m == pytest.approx(plan, rel=0.1) for m in got), (plan, got)
 
 
 # -- attention written out: softmax(Q Kᵀ·scale + mask)·V ------------------------------------------------------
