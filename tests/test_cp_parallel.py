@@ -159,15 +159,90 @@ def _compile(name, mesh, tokens):
     return compile_model(model, mesh=m, rules=default_rules(name, m), example_inputs=(tokens, tokens))
 
 
-@pytest.mark.parametrize("uneven", ["error", "chunk"])
-def test_a_sequence_cp_does_not_divide_is_refused_naming_the_fix(uneven):
-    """9 tokens over cp=2: refused at compile time under either uneven policy (the region, and the loss's
-    merged rows, take equal shards), naming the padded length."""
+def test_a_sequence_cp_does_not_divide_is_refused_by_default_naming_the_fix():
+    """9 tokens over cp=2 under uneven='error' (the default): refused at compile time, naming the padded length
+    and uneven='chunk'; under uneven='chunk' the head-tail layout is refused naming the contiguous one, which
+    then compiles with torch.chunk's pieces (5 and 4 tokens) and refuses the all-to-all by name."""
     tokens = torch.zeros(4, 9, dtype=torch.long)
     m = ml.Mesh.parse("cp=2")
-    with pytest.raises(ValueError, match=r"(?s)input 'idx'.*9 tokens.*any uneven policy.*pad it to 12"):
-        compile_model(build("gpt-tiny", device="meta", dtype=torch.float64), mesh=m, rules=default_rules("gpt-tiny", m),
-                      example_inputs=(tokens, tokens), uneven=uneven)  # fmt: skip
+
+    def compiled(**options):
+        return compile_model(build("gpt-tiny", device="meta", dtype=torch.float64), mesh=m,
+                             rules=default_rules("gpt-tiny", m), example_inputs=(tokens, tokens), **options)  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"(?s)input 'idx'.*9 tokens.*uneven='chunk' takes torch.chunk's pieces.*pad it to 12"):
+        compiled()
+    with pytest.raises(ValueError, match=r"(?s)input 'idx'.*9 tokens.*2\*cp = 4.*contiguous layout only.*cp_layout='contiguous'"):
+        compiled(uneven="chunk")
+    with pytest.raises(ValueError, match=r"(?s)9 tokens over cp=2.*all-to-all.*cp_method='ring' or 'all-gather'"):
+        compiled(uneven="chunk", cp_layout="contiguous", cp_method="all-to-all")
+    assert compiled(uneven="chunk", cp_layout="contiguous").input_layouts["idx"] == (Shard(1),)
+    m = ml.Mesh.parse("tp=2,cp=2")
+    with pytest.raises(ValueError, match=r"(?s)sequence_parallel=True.*9 tokens.*cp x tp = 4.*pad the sequence to 12"):
+        compiled(uneven="chunk", cp_layout="contiguous", sequence_parallel=True)
+
+
+def ragged_batch(step: int) -> tuple:
+    """9 tokens a row: torch.chunk's pieces over cp=2 are 5 and 4 (over dp=2 x cp=2, the same per dp rank)."""
+    g = torch.Generator().manual_seed(300 + step)
+    tokens = torch.randint(0, 256, (BATCH, 9), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def ragged_batch_10(step: int) -> tuple:
+    """10 tokens a row: torch.chunk's pieces over cp=4 are 3, 3, 3 and 1."""
+    g = torch.Generator().manual_seed(400 + step)
+    tokens = torch.randint(0, 256, (BATCH, 10), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def build_hf_llama_ragged() -> nn.Module:
+    return build_hf_llama()
+
+
+def hf_ragged_batch(step: int) -> dict:
+    """transformers' keyword inputs, 7 tokens a row: pieces of 4 and 3 over cp=2."""
+    gen = torch.Generator().manual_seed(500 + step)
+    ids = torch.randint(0, rm.VOCAB, (BATCH, 7), generator=gen)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "name, mesh, batch_fn, options",
+    [("gpt-tiny", "cp=2", "ragged_batch", {}), ("gpt-tiny", "cp=4", "ragged_batch_10", {}),
+     ("llama-tiny", "tp=2,cp=2", "ragged_batch", {}),
+     ("llama-tiny", "dp=2,cp=2", "ragged_batch", {"zero": 3, "cp_method": "all-gather"}),
+     ("gpt-tiny", "pp=2,cp=2", "ragged_batch", {"microbatches": 2, "recompute": "block"}),
+     ("hf-llama", "cp=2", "hf_ragged_batch", {})],
+)  # fmt: skip
+def test_a_sequence_cp_does_not_divide_trains_in_torch_chunks_pieces_under_uneven_chunk(name, mesh, batch_fn, options):
+    """uneven='chunk' with the contiguous layout: rank r along cp holds torch.chunk's piece r of the sequence (the
+    last ones shorter), the ring's hops and the all-gather carry the largest piece (the shorter ones padded, their
+    padding never read), and the loss's rows merge ragged pieces: losses, gradients and parameters equal the single
+    process's (fp64, 1e-12 over 3 AdamW steps; transformers' fp32 loss to 1e-6) on every rank, and each rank counts
+    the bytes its plan says, the ring's = (cp-1) hops of 2·B·H·ceil(S/cp)·D·8 per layer forward."""
+    hf = name.startswith("hf-")
+    build_fn, rules = (build_hf_llama_ragged, rules_hf) if hf else MODELS[name]
+    batch_fn = globals()[batch_fn]
+    options = {"uneven": "chunk", "cp_layout": "contiguous", **options}
+    trial = Trial(build_fn, batch_fn, mesh=mesh, rules=rules, lr=1e-3, options=options, loss="loss" if hf else None)
+    got = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)
+    ref = run_single(Trial(build_fn, batch_fn, lr=1e-3, loss="loss" if hf else None))
+    m = ml.Mesh.parse(mesh)
+    for rank, trace in enumerate(got):
+        assert_same(ref, trace, rtol=1e-12, atol=1e-12, loss_tol=1e-6 if hf else None)
+        counted, plan = trace.comm["by_kind"], planned(trace.plan, m.coords(rank))["comm"]
+        if m.coords(rank)["cp"] == 0:  # the plan prices the largest piece, torch.chunk's first
+            assert counted == plan, rank
+        else:  # a shorter piece moves at most that; the ring's hops and the gathers carry the largest
+            assert counted.keys() == plan.keys() and all(counted[k] <= plan[k] for k in plan), (rank, counted, plan)
+            assert all(counted[k] == plan[k] for k in plan if k[1] in ("send_recv", "all_gather") and k[2] == "cp")
+    if name == "gpt-tiny" and mesh in ("cp=2", "cp=4"):
+        cp, seq = m.axis_size("cp"), batch_fn(0)[0].shape[1]
+        hop = 2 * BATCH * 4 * -(-seq // cp) * 8 * 8  # K and V, 4 heads of 8, the largest piece, fp64
+        plan = planned(got[0].plan, m.coords(0))["comm"]
+        assert plan[("forward", "send_recv", "cp")] == 2 * (cp - 1) * hop  # 2 layers
 
 
 def test_a_sequence_2cp_does_not_divide_is_refused_by_the_head_tail_layout_naming_both_fixes():
@@ -474,7 +549,9 @@ def test_cp_composes_with_zero3_recompute_sequence_parallelism_and_experts(name,
     """cp with ZeRO-3 (FSDP2 over dp×cp), block recompute (the ring runs again in the recomputed forward),
     Megatron's sequence parallelism (the sequence split over tp between the blocks, over cp everywhere), and
     expert parallelism (experts take their tokens in whatever order the head-tail chunks hold them): fp64
-    parity to 1e-12 over 3 AdamW steps."""
+    parity to 1e-12 over 3 AdamW steps. For the dense models each rank also counts the bytes its plan says, the
+    ring's forward again in the recomputed layers (phase recompute) and sequence parallelism's gathers of a
+    dim tp and cp both cut (cp's first, then tp's of the whole) included."""
     if name == "moe-tiny":
         trial = Trial(build_moe, moe_batch, mesh=mesh, rules=rules_moe, lr=1e-3, options=options)
         if "moe" not in _REFERENCES:
@@ -483,8 +560,11 @@ def test_cp_composes_with_zero3_recompute_sequence_parallelism_and_experts(name,
     else:
         trial = Trial(MODELS[name][0], batch, mesh=mesh, rules=MODELS[name][1], lr=1e-3, options=options)
         ref = _reference(name)
-    for rank in get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial):
+    m = ml.Mesh.parse(mesh)
+    for r, rank in enumerate(get_pool(m.size).run(run_parallel, trial)):
         assert_same(ref, rank, rtol=1e-12, atol=1e-12)
+        if name != "moe-tiny":  # routed tokens: the plan prices the all-to-alls from even routing
+            assert rank.comm["by_kind"] == planned(rank.plan, m.coords(r))["comm"], r
 
 
 def test_zero3_over_data_axes_the_mesh_separates_is_refused_naming_the_order():

@@ -14,22 +14,25 @@ from __future__ import annotations
 import torch
 
 from .. import lax
-from .inputs import check, host_index
+from .inputs import check, rank_of
 from .local import attend_shard, finish
-from .ring import shard_problem
+from .ring import padded, shard_problem
 
 __all__ = ["allgather_attention"]
 
 
 def allgather_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, /, *, axis: str = "cp", causal: bool = False, mask=None,
-    doc_ids=None, scale=None, layout: str = "contiguous",
+    doc_ids=None, scale=None, layout: str = "contiguous", seq_len: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`ring_attention`'s result (same arguments and specs), from keys and values gathered in one collective."""
+    """`ring_attention`'s result (same arguments and specs), from keys and values gathered in one collective
+    (torch.chunk's pieces, under `seq_len`, each padded to the largest to move)."""
     shards = check("allgather_attention", q, k, v, axis=axis, causal=causal, mask=mask, doc_ids=doc_ids,
-                   scale=scale, layout=layout)  # fmt: skip
-    p = shard_problem(q, k, shards, host_index(axis, "allgather_attention"), causal, mask, doc_ids, scale, axis)
-    kv = lax.all_gather(torch.stack([k, v]), axis, axis=3, tiled=True)  # (2, B, Hkv, S, D), rank 0's block first
+                   scale=scale, layout=layout, seq_len=seq_len)  # fmt: skip
+    rank = rank_of(shards, axis, "allgather_attention", q.shape[2])
+    p = shard_problem(q, k, shards, rank, causal, mask, doc_ids, scale, axis)
+    kv = padded(torch.stack([k, v]), shards.local)
+    kv = lax.all_gather(kv, axis, axis=3, tiled=True)  # (2, B, Hkv, cp * local, D), rank 0's block first
     n, length = shards.cp, shards.local
     acc = [None] * len(shards.starts(p.rank))
     for step in range(n):

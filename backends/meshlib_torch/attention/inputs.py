@@ -28,7 +28,7 @@ from .. import lax
 from ..spmd.region import current
 from .zigzag import Shards
 
-__all__ = ["Problem", "check", "compute_dtype", "default_scale", "host_index", "mask5", "split_heads"]
+__all__ = ["Problem", "check", "compute_dtype", "default_scale", "host_index", "mask5", "rank_of", "split_heads"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +83,10 @@ def host_index(axis: str, op: str) -> int:
     return index(region.axes(axis, op)) if index is not None else int(lax.axis_index(axis))
 
 
-def check(op: str, q, k, v, *, axis, causal, mask, doc_ids, scale, layout) -> Shards:
+def check(op: str, q, k, v, *, axis, causal, mask, doc_ids, scale, layout, seq_len=None) -> Shards:
     """The layout of this call's sequence, once every argument is known to fit (else a ValueError or
-    TypeError naming the argument, what it is, what was needed and the fix), before any collective."""
+    TypeError naming the argument, what it is, what was needed and the fix), before any collective.
+    `seq_len`: the whole sequence's tokens when cp does not divide it (torch.chunk's pieces, contiguous)."""
     if not isinstance(axis, str):
         raise TypeError(f"{op}: axis={axis!r} must be one mesh axis name, the one the sequence is split over")
     cp = lax.axis_size(axis)
@@ -94,10 +95,38 @@ def check(op: str, q, k, v, *, axis, causal, mask, doc_ids, scale, layout) -> Sh
         raise TypeError(f"{op}: causal={causal!r} must be a bool")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
         raise ValueError(f"{op}: scale={scale!r} must be a positive number (None: 1/sqrt(head_dim))")
-    shards = Shards(layout, cp, q.shape[2])
-    _check_mask(op, mask, q, cp)
+    shards = _shards(op, layout, cp, q.shape[2], seq_len)
+    _check_mask(op, mask, q, shards.seq)
     _check_docs(op, doc_ids, q)
     return shards
+
+
+def _shards(op: str, layout: str, cp: int, length: int, seq_len) -> Shards:
+    if seq_len is None or seq_len == cp * length:
+        return Shards(layout, cp, length)
+    step = -(-seq_len // cp) if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else 0
+    last = seq_len - (cp - 1) * step
+    if not step or last <= 0 or layout != "contiguous" or length not in (step, last):
+        raise ValueError(
+            f"{op}: seq_len={seq_len!r} with {length} tokens on this rank over cp={cp} in the {layout!r} layout: a "
+            "sequence cp does not divide is taken in torch.chunk's pieces (each rank non-empty), in the contiguous "
+            "layout only. Fix: pass the whole sequence's length, layout='contiguous', or a multiple of cp"
+        )
+    return Shards(layout, cp, step, seq_len)
+
+
+def rank_of(shards: Shards, axis: str, op: str, length: int) -> int:
+    """This rank's index along `axis` (`host_index`), checked against the tokens it holds; a dry run of
+    torch.chunk's pieces takes the last rank whose piece is the largest (the shape it runs with)."""
+    rank = host_index(axis, op)
+    if shards.length(rank) == length:
+        return rank
+    if current(op).abstract:
+        return max(r for r in range(shards.cp) if shards.length(r) == length)
+    raise ValueError(
+        f"{op}: rank {rank} along {axis!r} holds {length} tokens, but torch.chunk's pieces of {shards.seq} over "
+        f"{shards.cp} give it {shards.length(rank)}. Fix: split q, k and v with torch.chunk along the sequence"
+    )
 
 
 def default_scale(scale, q: torch.Tensor) -> float:
@@ -124,7 +153,7 @@ def _check_qkv(op: str, q, k, v) -> None:
         raise TypeError(f"{op}: q, k and v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def _check_mask(op: str, mask, q: torch.Tensor, cp: int) -> None:
+def _check_mask(op: str, mask, q: torch.Tensor, seq: int) -> None:
     if mask is None:
         return
     if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
@@ -136,14 +165,14 @@ def _check_mask(op: str, mask, q: torch.Tensor, cp: int) -> None:
             "pass mask.detach() if it is a constant, or add a learned bias to the scores outside context parallelism"
         )
     b, hq, length, _ = q.shape
-    rows_cols = (length, length * cp)
+    rows_cols = (length, seq)
     ok = mask.dim() == 2 and tuple(mask.shape) == rows_cols
     fits4 = mask.dim() == 4 and mask.shape[0] in (1, b) and mask.shape[1] in (1, hq) and mask.shape[2:] == rows_cols
     ok = ok or fits4
     if not ok:
         raise ValueError(
             f"{op}: mask has shape {tuple(mask.shape)} per shard; it needs this rank's {length} query rows and all "
-            f"{length * cp} key columns: {rows_cols}, or (1 or {b}, 1 or {hq}, {length}, {length * cp}). Fix: split "
+            f"{seq} key columns: {rows_cols}, or (1 or {b}, 1 or {hq}, {length}, {seq}). Fix: split "
             "only its query dim over the axis (in spec P('cp', None) for an (S, S) mask, P(batch, None, 'cp', None) "
             "for a 4-D one)"
         )

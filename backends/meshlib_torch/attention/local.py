@@ -209,16 +209,19 @@ def pieces(p: Problem, src: int) -> list[Piece]:
 
     Chunks are stored in ascending position, so the key chunks a query chunk can see under a causal mask
     are a prefix of `src`'s: the first `n`, those that begin before the query chunk ends."""
-    sh, c, out = p.shards, p.shards.chunk, []
+    sh, out, row = p.shards, [], 0
     k_starts = sh.starts(src)
     for a, q0 in enumerate(sh.starts(p.rank)):
-        n = sum(s <= q0 + c - 1 for s in k_starts) if p.causal else len(k_starts)
-        if n == 0:
-            continue  # every key of src is later than every query of this chunk
-        cuts = p.causal and k_starts[n - 1] + c - 1 > q0  # some key later than some query
-        device = p.q.device
-        positions = (sh.positions([q0], device), sh.positions(k_starts[:n], device)) if cuts else None
-        out.append(Piece(a, (a * c, c), (src * sh.local, n * c), positions, n))
+        rows = sh.chunk_len(q0)
+        n = sum(s <= q0 + rows - 1 for s in k_starts) if p.causal else len(k_starts)
+        if n:  # else every key of src is later than every query of this chunk
+            last = k_starts[n - 1]
+            cuts = p.causal and last + sh.chunk_len(last) - 1 > q0  # some key later than some query
+            device = p.q.device
+            positions = (sh.positions([q0], device), sh.positions(k_starts[:n], device)) if cuts else None
+            cols = sum(sh.chunk_len(s) for s in k_starts[:n])
+            out.append(Piece(a, (row, rows), (src * sh.local, cols), positions, n))
+        row += rows
     return out
 
 

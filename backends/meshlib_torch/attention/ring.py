@@ -32,7 +32,7 @@ import torch
 from .. import lax
 from ..spmd.records import Call
 from ..spmd.region import Axes, current, user_line
-from .inputs import Problem, check, compute_dtype, default_scale, host_index, mask5, split_heads
+from .inputs import Problem, check, compute_dtype, default_scale, mask5, rank_of, split_heads
 from .local import attend_shard, block_mask, finish, grads, pieces
 from .zigzag import Shards
 
@@ -41,17 +41,19 @@ __all__ = ["gathered_docs", "ring_attention", "shard_problem"]
 
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, /, *, axis: str = "cp", causal: bool = False, mask=None,
-    doc_ids=None, scale=None, layout: str = "contiguous",
+    doc_ids=None, scale=None, layout: str = "contiguous", seq_len: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """softmax(Q Kᵀ * scale + mask) V for this rank's queries over the whole sequence, (B, Hq, S/cp, D).
 
     Call it inside `shard_map` with q, k, v (and `doc_ids`) split along the sequence over `axis`, e.g.
     `in_specs=(P(None, None, "cp"),) * 3, out_specs=P(None, None, "cp")` (batch over "dp": `P("dp", None,
     "cp")`). `layout`: the order the shards are in, "contiguous" or "zigzag" (`to_zigzag`); `mask` holds
-    this rank's query rows and all key columns (see `inputs`); `scale` defaults to 1/sqrt(D)."""
+    this rank's query rows and all key columns (see `inputs`); `scale` defaults to 1/sqrt(D). `seq_len`: the
+    whole sequence's length where cp does not divide it: each rank then holds torch.chunk's piece (contiguous
+    layout), and the hops carry the largest piece, the shorter ones padded."""
     shards = check("ring_attention", q, k, v, axis=axis, causal=causal, mask=mask, doc_ids=doc_ids, scale=scale,
-                   layout=layout)  # fmt: skip
-    rank = host_index(axis, "ring_attention")
+                   layout=layout, seq_len=seq_len)  # fmt: skip
+    rank = rank_of(shards, axis, "ring_attention", q.shape[2])
     region = current("ring_attention")
     back = _Back(region.backend, region.axes(axis, "ppermute"), Call("ppermute", user_line()))
     return _Ring.apply(q, k, v, _Call(axis, shards, rank, causal, mask, doc_ids, scale, back))
@@ -100,7 +102,7 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, q, k, v, call):
         p = shard_problem(q, k, call.shards, call.rank, call.causal, call.mask, call.doc_ids, call.scale, call.axis)
         n = call.shards.cp
-        kv = torch.stack([k, v])
+        kv = padded(torch.stack([k, v]), call.shards.local)
         acc = [None] * len(call.shards.starts(p.rank))
         for step in range(n):
             arriving = lax.ppermute_start(kv, call.axis, _hops(n, +1)) if step + 1 < n else None
@@ -118,7 +120,7 @@ class _Ring(torch.autograd.Function):
         p = replace(ctx.p, q=split_heads(q, hkv).to(dtype))
         n = p.shards.cp
         out5, grad5 = split_heads(out, hkv).to(dtype), split_heads(grad_out, hkv).to(dtype)
-        grad_q, own = torch.zeros_like(p.q), torch.stack([k, v])
+        grad_q, own = torch.zeros_like(p.q), padded(torch.stack([k, v]), p.shards.local)
         kv, kv_hop, grad_hop = last, None, None
         for step in range(n):
             if step:
@@ -139,7 +141,18 @@ class _Ring(torch.autograd.Function):
                 part += grad_hop.wait()
             if step < n - 1:
                 grad_hop = ctx.back.start(part)
-        return grad_q.view(q.shape).to(q.dtype), part[0].to(k.dtype), part[1].to(v.dtype), None
+        grad_kv = part[:, :, :, : k.shape[2]]  # this rank's own tokens (the rest padded its piece to move)
+        return grad_q.view(q.shape).to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None
+
+
+def padded(x: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:
+    """`x` with its sequence dim `dim` zero-padded to `length` tokens: what moves when the ranks hold torch.chunk's
+    pieces (every hop and gather carries the largest; the blocks read only a piece's own tokens)."""
+    short = length - x.shape[dim]
+    if not short:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, short]
+    return torch.nn.functional.pad(x, pad)
 
 
 def _hops(n: int, direction: int) -> list[tuple[int, int]]:
@@ -153,10 +166,13 @@ def shard_problem(q, k, shards, rank: int, causal: bool, mask, doc_ids, scale, a
     dtype, hkv = compute_dtype(q.dtype), k.shape[1]
     return Problem(
         shards, rank, split_heads(q, hkv).to(dtype), q.shape[1], default_scale(scale, q), causal,
-        mask5(mask, q.shape[1], hkv, dtype), doc_ids, gathered_docs(doc_ids, axis),
+        mask5(mask, q.shape[1], hkv, dtype), doc_ids, gathered_docs(doc_ids, axis, shards.local),
     )  # fmt: skip
 
 
-def gathered_docs(doc_ids, axis: str):
-    """Every token's document, (B, S) in the layout's order, or None."""
-    return None if doc_ids is None else lax.all_gather(doc_ids, axis, axis=1, tiled=True)
+def gathered_docs(doc_ids, axis: str, local: int | None = None):
+    """Every token's document, (B, cp * local) in the layout's order (each rank's piece padded to `local`, the
+    largest, so rank r's tokens begin at r * local), or None."""
+    if doc_ids is None:
+        return None
+    return lax.all_gather(padded(doc_ids, local or doc_ids.shape[1], dim=1), axis, axis=1, tiled=True)

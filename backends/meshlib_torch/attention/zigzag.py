@@ -62,18 +62,34 @@ def from_zigzag(x: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class Shards:
-    """A sequence of `cp * local` tokens split over `cp` ranks in `layout`: each rank holds `len(starts(r))`
-    chunks of `chunk` tokens, stored in the order of their first positions."""
+    """A sequence of `seq` tokens split over `cp` ranks in `layout`: each rank holds `len(starts(r))` chunks,
+    stored in the order of their first positions. `local` is the tokens of the largest rank (rank 0's).
+    Equal pieces (`seq` = cp * local, the default), or, contiguous only, torch.chunk's pieces of a sequence cp
+    does not divide (`seq` given: pieces of ceil(seq/cp), the last ones shorter; uneven='chunk')."""
 
     layout: str
     cp: int
-    local: int  # tokens per rank
+    local: int  # tokens per rank (the largest piece)
+    seq: int = 0  # tokens in the sequence (0: cp * local)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} must be one of {LAYOUTS}")
+        if not self.seq:
+            object.__setattr__(self, "seq", self.cp * self.local)
+        if self.ragged and (self.layout != "contiguous" or self.local != -(-self.seq // self.cp)
+                            or (self.cp - 1) * self.local >= self.seq):  # fmt: skip
+            raise ValueError(
+                f"a sequence of {self.seq} tokens over cp={self.cp} in {self.layout!r} pieces of at most {self.local}: "
+                "torch.chunk's pieces (each rank non-empty) are taken in the contiguous layout only"
+            )
         if self.layout == "zigzag":
-            _check(self.cp * self.local, self.cp, "layout='zigzag'")
+            _check(self.seq, self.cp, "layout='zigzag'")
+
+    @property
+    def ragged(self) -> bool:
+        """The ranks hold pieces of different lengths (torch.chunk's)."""
+        return self.seq != self.cp * self.local
 
     @property
     def chunk(self) -> int:
@@ -85,10 +101,17 @@ class Shards:
             return (rank * self.chunk, (2 * self.cp - 1 - rank) * self.chunk)
         return (rank * self.local,)
 
+    def chunk_len(self, start: int) -> int:
+        """The tokens of the chunk that begins at `start` (shorter only for torch.chunk's last pieces)."""
+        return min(self.chunk, self.seq - start)
+
+    def length(self, rank: int) -> int:
+        """The tokens rank `rank` holds."""
+        return sum(self.chunk_len(s) for s in self.starts(rank))
+
     def positions(self, starts, device) -> torch.Tensor:
         """The positions of the tokens of the chunks that begin at `starts`, in that order."""
-        offsets = torch.arange(self.chunk, device=device)
-        return torch.cat([offsets + s for s in starts])
+        return torch.cat([torch.arange(self.chunk_len(s), device=device) + s for s in starts])
 
     def everyone(self, device) -> torch.Tensor:
         """The position of every token of the sequence as the ranks hold it (rank 0's block first)."""

@@ -233,7 +233,22 @@ def _axes(mesh: Mesh, options: Parallelism, call: Call, data: tuple[str, ...] = 
         slice_dims = ((options.tp_axis, Shard(options.seq_dim), first[options.seq_dim]),)
     if CP_AXIS in data and len(first) >= 2:
         slice_dims += ((CP_AXIS, zigzag(1) if options.cp_layout == "zigzag" else Shard(1), first[1]),)
+        if options.sequence_parallel and options.tp_axis in mesh:
+            _check_sp_cp(first[1], mesh.axis_size(CP_AXIS), mesh.axis_size(options.tp_axis), options.tp_axis)
     return Axes(mesh.axis_names, mesh.axis_sizes, slice_dims, options.uneven == "chunk")
+
+
+
+def _check_sp_cp(seq: int, cp: int, tp: int, tp_axis: str) -> None:
+    """Sequence parallelism cuts each cp rank's tokens over tp again: they must divide, since a dim cut in
+    torch.chunk's pieces is cut no further (Megatron asks the sequence to be a multiple of tp x cp too)."""
+    if seq % (cp * tp):
+        raise ValueError(
+            f"sequence_parallel=True splits each cp rank's tokens over {tp_axis}={tp}, but the sequence of {seq} "
+            f"tokens does not cut into cp x {tp_axis} = {cp * tp} equal pieces (a piece torch.chunk cut unevenly is "
+            f"not cut again). Fix: pad the sequence to {-(-seq // (cp * tp)) * cp * tp} tokens (the padding's labels "
+            "ignored), or drop sequence_parallel"
+        )
 
 
 __all__ = ["compile_graph"]

@@ -205,7 +205,8 @@ def input_layouts(
     out = {}
     for name, x in tensors.items():
         spec = in_specs.get(name, P())
-        layout = zigzag_input(spec_to_layout(spec, mesh), mesh, tuple(x.shape), name, cp_layout)  # first: cp's fix
+        # first: cp's fix
+        layout = zigzag_input(spec_to_layout(spec, mesh), mesh, tuple(x.shape), name, cp_layout, uneven)
         NamedSharding(mesh, spec, uneven=uneven).check(tuple(x.shape), path=f"input {name!r}")
         check_single_axis_uneven(mesh, spec, tuple(x.shape), uneven, f"input {name!r}")
         out[name] = layout

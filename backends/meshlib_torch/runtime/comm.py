@@ -19,8 +19,8 @@ from torch import nn
 
 from ..compiler.placement.placements import Partial, Replicate, Shard, chunk_rows, part_sizes
 from ..compiler.placement.placements import kind as pl_kind
-from ..compiler.placement.redistribute import CommSpec
-from ..compiler.placement.shapes import padded
+from ..compiler.placement.redistribute import CommSpec, step_order
+from ..compiler.placement.shapes import chunked_groups, moved_size, padded
 from ..modules.recompute import comm_forward, gathers, kept, note_gathered
 
 
@@ -94,6 +94,8 @@ def _flat0(shape) -> tuple[int, ...]:
 def all_gather(x: torch.Tensor, p: Shard, group, n: int, size: int | None = None) -> torch.Tensor:
     """The whole dim from every rank's piece. `size`: the whole dim's size, when it does not divide
     (torch.chunk's pieces, each padded to the first's size to move, the padding dropped after)."""
+    if _grouped(p, n, size):
+        return _merged(all_gather(_units(x, p), Shard(p.dim + 1), group, n, size // p.groups), p.dim)
     if _ragged(p, n, size):
         x = pad_to(x, p.dim, -(-size // n))
         return all_gather(x, p, group, n).narrow(p.dim, 0, size)
@@ -105,6 +107,8 @@ def all_gather(x: torch.Tensor, p: Shard, group, n: int, size: int | None = None
 
 def reduce_scatter(x: torch.Tensor, p: Shard, group, n: int, rank: int = 0) -> torch.Tensor:
     size = x.shape[p.dim]
+    if _grouped(p, n, size):
+        return _merged(reduce_scatter(_units(x, p), Shard(p.dim + 1), group, n, rank), p.dim)
     if _ragged(p, n, size):
         out = reduce_scatter(pad_to(x, p.dim, padded(size, n)), p, group, n)
         return out.narrow(p.dim, 0, chunk_rows(size, n, rank)[1])
@@ -121,6 +125,8 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def local_slice(x: torch.Tensor, p: Shard, rank: int, n: int) -> torch.Tensor:
+    if _grouped(p, n, x.shape[p.dim]):
+        return _merged(local_slice(_units(x, p), Shard(p.dim + 1), rank, n), p.dim)
     if _ragged(p, n, x.shape[p.dim]):
         return x.narrow(p.dim, *chunk_rows(x.shape[p.dim], n, rank)).contiguous()
     return blocks(x, p, n)[rank].contiguous()
@@ -128,6 +134,8 @@ def local_slice(x: torch.Tensor, p: Shard, rank: int, n: int) -> torch.Tensor:
 
 def local_pad(x: torch.Tensor, p: Shard, rank: int, n: int, size: int | None = None) -> torch.Tensor:
     """A partial sum from a shard: this rank's block in place, zeros in the others' (no communication)."""
+    if _grouped(p, n, size):
+        return _merged(local_pad(_units(x, p), Shard(p.dim + 1), rank, n, size // p.groups), p.dim)
     if _ragged(p, n, size):
         shape = list(x.shape)
         shape[p.dim] = size
@@ -143,6 +151,11 @@ def all_to_all(x: torch.Tensor, src: Shard, dst: Shard, group, n: int, size: int
     """Sharded on `src.dim` -> sharded on `dst.dim` (plain shards). `size`: the whole `src.dim`, when
     either dim does not divide (both are padded to equal pieces to move)."""
     whole = x.shape[dst.dim]
+    if _grouped(src, n, size) or _grouped(dst, n, whole):
+        raise NotImplementedError(
+            f"an all-to-all from {src} to {dst} of a dim cut in torch.chunk's pieces group by group (a sequence over "
+            "cp merged with the batch, uneven='chunk'); the compiler does not plan one"
+        )
     if _ragged(src, n, size) or _ragged(dst, n, whole):
         x = pad_to(pad_to(x, dst.dim, padded(whole, n)), src.dim, -(-size // n))
         out = all_to_all(x, src, dst, group, n)
@@ -156,6 +169,24 @@ def all_to_all(x: torch.Tensor, src: Shard, dst: Shard, group, n: int, size: int
 def _ragged(p: Shard, n: int, size: int | None) -> bool:
     """A plain shard of a dim of `size` that does not divide over `n` ranks."""
     return size is not None and p.plain and size % n != 0
+
+
+def _grouped(p: Shard, n: int, size: int | None) -> bool:
+    """A shard in equal groups of a dim of `size` (the whole) that `n` does not divide, each group in
+    torch.chunk's pieces (`shapes.chunked_groups`): every step runs on the groups' unit dim, as a plain one."""
+    return size is not None and chunked_groups(p, size, n)
+
+
+def _units(x: torch.Tensor, p: Shard) -> torch.Tensor:
+    """`x` with `p.dim` viewed as (groups, unit)."""
+    shape = list(x.shape)
+    return x.reshape(shape[: p.dim] + [p.groups, shape[p.dim] // p.groups] + shape[p.dim + 1 :])
+
+
+def _merged(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of `_units`: dims `dim` and `dim + 1` as one."""
+    shape = list(x.shape)
+    return x.reshape(shape[:dim] + [shape[dim] * shape[dim + 1]] + shape[dim + 2 :])
 
 
 def pad_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -190,18 +221,10 @@ def moved_bytes(x: torch.Tensor, a, b, n: int, size: int | None) -> int:
     shape = list(x.shape)
     if isinstance(a, Shard):
         shape[a.dim] = size if size is not None else shape[a.dim] * n
-        shape[a.dim] = padded(shape[a.dim], n)
+        shape[a.dim] = moved_size(a, shape[a.dim], n)
     if isinstance(b, Shard):
-        shape[b.dim] = padded(shape[b.dim], n)
+        shape[b.dim] = moved_size(b, shape[b.dim], n)
     return math.prod(shape) * x.element_size()
-
-
-def _order(pairs: list) -> list:
-    """Reductions first, then gathers from the innermost axis out, then slices outermost first."""
-    red = [p for p in pairs if isinstance(p[1], Partial)]
-    gat = [p for p in pairs if isinstance(p[1], Shard) and not isinstance(p[2], Shard)][::-1]
-    rest = [p for p in pairs if p not in red and p not in gat]
-    return red + gat + rest
 
 
 class Comm(nn.Module):
@@ -220,7 +243,7 @@ class Comm(nn.Module):
     def run(self, x: torch.Tensor, frm, to, phase: str) -> torch.Tensor:
         pairs = [(name, a, b) for name, a, b in zip(self.axes.names, frm, to) if a != b]
         state = dict(zip(self.axes.names, frm))
-        for name, a, b in _order(pairs):
+        for name, a, b in step_order(pairs):
             n = self.sizes[name]
             if phase == "backward" and not self.sync and isinstance(a, Partial) and isinstance(b, Replicate):
                 continue

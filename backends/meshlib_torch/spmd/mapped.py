@@ -41,6 +41,9 @@ class ShardMapped:
         # axes over which the region's rows (dim 0 of its row inputs and results) may come in any order
         # (per-row code: mixture-of-experts layers), as the first input holds them
         self.any_rows: tuple[str, ...] = ()
+        # {axis: size}: a dim of that size split over that axis alone comes in torch.chunk's pieces, the last
+        # ones shorter (context parallelism's attention under uneven='chunk'); JAX's shard_map has no such thing
+        self.chunked: dict[str, int] = {}
         self._eager = eager
         functools.update_wrapper(self, f)
 
@@ -67,7 +70,8 @@ class ShardMapped:
         grad = any(isinstance(leaf.value, torch.Tensor) and leaf.value.requires_grad for leaf in leaves)
         results = []
         for o in outs:
-            t = torch.empty(global_shape(tuple(o.value.shape), o.spec, self.mesh), dtype=o.value.dtype, device=device)
+            shape = global_shape(tuple(o.value.shape), o.spec, self.mesh, self.chunked)
+            t = torch.empty(shape, dtype=o.value.dtype, device=device)
             results.append(t.requires_grad_(grad and t.is_floating_point() and torch.is_grad_enabled()))
         return optree.tree_unflatten(out_tree, results)
 
@@ -87,7 +91,7 @@ def local_args(mapped: ShardMapped, args: tuple) -> tuple[list[Leaf], list[Leaf]
         if leaf.spec is None:
             local.append(leaf)
             continue
-        shape = local_shape(leaf, tuple(leaf.value.shape), mapped.mesh, name)
+        shape = local_shape(leaf, tuple(leaf.value.shape), mapped.mesh, name, mapped.chunked)
         local.append(Leaf(leaf.path, torch.empty(shape, dtype=leaf.value.dtype, device="meta"), leaf.spec))
     return leaves, local, treedef
 

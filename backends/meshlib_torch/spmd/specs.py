@@ -70,8 +70,10 @@ def _short(x) -> str:
     return f"Tensor{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def local_shape(leaf: Leaf, shape: tuple[int, ...], mesh: Mesh, fn_name: str) -> tuple[int, ...]:
-    """The shard each rank holds of a global `shape` under `leaf.spec`; raises on a rank or size mismatch."""
+def local_shape(leaf: Leaf, shape: tuple[int, ...], mesh: Mesh, fn_name: str, chunked=None) -> tuple[int, ...]:
+    """The shard each rank holds of a global `shape` under `leaf.spec`; raises on a rank or size mismatch.
+    `chunked` {axis: size}: a dim of that size split over that axis alone comes in torch.chunk's pieces
+    (meshlib's extension, for compiled attention under uneven='chunk'); the shape is the largest, rank 0's."""
     spec = leaf.spec
     if len(spec) > len(shape):
         raise ValueError(
@@ -82,6 +84,9 @@ def local_shape(leaf: Leaf, shape: tuple[int, ...], mesh: Mesh, fn_name: str) ->
     for dim, size in enumerate(shape):
         axes = spec.dim_axes(dim)
         ways = mesh.axis_size(axes) if axes else 1
+        if size % ways and len(axes) == 1 and (chunked or {}).get(axes[0]) == size:
+            out.append(-(-size // ways))
+            continue
         if size % ways:
             raise ValueError(
                 f"shard_map({fn_name}): {leaf.path} dim {dim} has size {size}, which {spec!r} splits over "
@@ -92,9 +97,16 @@ def local_shape(leaf: Leaf, shape: tuple[int, ...], mesh: Mesh, fn_name: str) ->
     return tuple(out)
 
 
-def global_shape(shape: tuple[int, ...], spec: P, mesh: Mesh) -> tuple[int, ...]:
-    """The whole of a result each rank holds a `shape` block of: dims named in `spec` concatenated."""
-    return tuple(n * (mesh.axis_size(spec.dim_axes(d)) if spec.dim_axes(d) else 1) for d, n in enumerate(shape))
+def global_shape(shape: tuple[int, ...], spec: P, mesh: Mesh, chunked=None) -> tuple[int, ...]:
+    """The whole of a result each rank holds a `shape` block of: dims named in `spec` concatenated (a dim split
+    over an axis of `chunked` alone, in torch.chunk's pieces: its size there)."""
+    out = []
+    for d, n in enumerate(shape):
+        axes = spec.dim_axes(d)
+        whole = (chunked or {}).get(axes[0]) if len(axes) == 1 else None
+        out.append(whole if whole is not None and -(-whole // mesh.axis_size(axes)) == n else
+                   n * (mesh.axis_size(axes) if axes else 1))  # fmt: skip
+    return tuple(out)
 
 
 def placements(spec: P, mesh: Mesh) -> list:

@@ -53,15 +53,17 @@ import torch.nn.functional as F
 from meshlib import Mesh, P
 
 from ..placement.placements import CP_AXIS, Layout, Shard, zigzag
+from ..placement.shapes import chunk_fits
 from .source import TORCH_DIR
 
 
-def zigzag_input(layout: Layout, mesh: Mesh, shape: tuple[int, ...], name: str, layout_name: str = "zigzag") -> Layout:
+def zigzag_input(
+    layout: Layout, mesh: Mesh, shape: tuple[int, ...], name: str, layout_name: str = "zigzag", uneven: str = "error"
+) -> Layout:
     """An input's layout with its sequence dim (1), where `cp` splits it, in the `layout_name` layout ("zigzag":
-    head-tail chunks); refused, naming the fix, where the sequence does not cut into equal shards: 2*cp chunks
-    for the head-tail layout, cp pieces for the contiguous one. Equal shards under any `uneven` policy:
-    attention's region takes equal shards (as JAX's shard_map), and torch.chunk's pieces of a sequence are
-    not those of the (batch x sequence) rows a loss merges them into."""
+    head-tail chunks); refused, naming the fix, where the sequence does not cut into equal shards (2*cp chunks
+    for the head-tail layout, cp pieces for the contiguous one), unless `uneven="chunk"` and the contiguous
+    layout take torch.chunk's pieces (every rank non-empty)."""
     if CP_AXIS not in mesh.axis_names:
         return layout
     i = mesh.axis_names.index(CP_AXIS)
@@ -69,7 +71,16 @@ def zigzag_input(layout: Layout, mesh: Mesh, shape: tuple[int, ...], name: str, 
         return layout
     n, zig = mesh.axis_size(CP_AXIS), layout_name == "zigzag"
     parts = 2 * n if zig else n
-    if shape[1] % parts:
+    chunked = uneven == "chunk" and not zig and chunk_fits(shape[1], n)
+    if shape[1] % parts and not chunked:
+        if uneven == "chunk" and zig and chunk_fits(shape[1], n):
+            raise ValueError(
+                f"input {name!r} {list(shape)}: its sequence of {shape[1]} tokens does not cut into 2*cp = {parts} "
+                f"equal chunks, which the head-tail layout of cp={n} needs; uneven='chunk' takes torch.chunk's pieces "
+                f"in the contiguous layout only. Fix: pass cp_layout='contiguous' (--cp-layout contiguous; causal work "
+                f"then unbalanced), or pad the sequence to {-(-shape[1] // parts) * parts} tokens (the padding's "
+                "labels ignored)"
+            )
         other = (
             f"pass cp_layout='contiguous' (--cp-layout contiguous; a multiple of {n}, with causal work unbalanced)"
             if zig and shape[1] % n == 0 else "use fewer cp ranks"
@@ -80,8 +91,9 @@ def zigzag_input(layout: Layout, mesh: Mesh, shape: tuple[int, ...], name: str, 
             f"{layout_name} layout of cp={n} needs"
             + (" (each rank holds a chunk from the head and one from the tail, so causal attention costs every rank"
                " the same)" if zig else "")
-            + f"; context parallelism takes equal shards under any uneven policy. Fix: make the sequence a multiple "
-            f"of {parts} (pad it to {-(-shape[1] // parts) * parts}, the padding's labels ignored), or {other}"
+            + f"; context parallelism takes equal shards (uneven='chunk' takes torch.chunk's pieces in the contiguous "
+            f"layout, each rank non-empty). Fix: make the sequence a multiple of {parts} (pad it to "
+            f"{-(-shape[1] // parts) * parts}, the padding's labels ignored), or {other}"
         )
     return (*layout[:i], zigzag(1), *layout[i + 1 :]) if zig else layout
 
@@ -125,7 +137,9 @@ def _variant(method: str):
 
 
 @functools.cache
-def _mapped(mesh: Mesh, spec: P, causal: bool, scale, method: str, layout: str, mask: P | None = None):
+def _mapped(mesh: Mesh, spec: P, causal: bool, scale, method: str, layout: str, mask: P | None = None, seq=None):
+    """The region of one attention call. `seq`: the sequence's length where cp does not divide it (uneven='chunk':
+    each rank holds torch.chunk's piece)."""
     from ...attention.zigzag import Shards
     from ...lax import axis_size
     from ...spmd.shard_map import shard_map
@@ -135,13 +149,15 @@ def _mapped(mesh: Mesh, spec: P, causal: bool, scale, method: str, layout: str, 
     def attention(q, k, v, mask=None):
         if mask is not None and layout == "zigzag":  # every key's column, in the order the ranks hold the keys
             mask = mask.index_select(-1, Shards(layout, axis_size(CP_AXIS), q.shape[2]).everyone(mask.device))
-        return fn(q, k, v, axis=CP_AXIS, causal=causal, scale=scale, layout=layout, mask=mask)
+        extra = {} if seq is None else {"seq_len": seq}
+        return fn(q, k, v, axis=CP_AXIS, causal=causal, scale=scale, layout=layout, mask=mask, **extra)
 
     attention.__name__ = attention.__qualname__ = fn.__name__
     attention.cp_call = (causal, scale)  # `attention_regions` finds torch.export's regions by it
     specs = (spec, spec, spec) if mask is None else (spec, spec, spec, mask)
     mapped = shard_map(attention, mesh=mesh, in_specs=specs, out_specs=spec)
     mapped.zigzag = CP_AXIS if layout == "zigzag" else None
+    mapped.chunked = {} if seq is None else {CP_AXIS: seq}
     return mapped
 
 
@@ -232,7 +248,8 @@ def region_call(setting: Setting, q, k, v, mask, kwargs):
     """The region of one call on tensors (torch.export's fake ones): its mask kept as it is."""
     spec = attention_spec(setting.mesh, setting.data)
     m = None if mask is None else mask_spec(setting.mesh, setting.data, tuple(mask.shape), q.shape[0], q.shape[1])
-    mapped = _mapped(setting.mesh, spec, kwargs["causal"], kwargs["scale"], setting.method, setting.layout, m)
+    mapped = _mapped(setting.mesh, spec, kwargs["causal"], kwargs["scale"], setting.method, setting.layout, m,
+                     _ragged(setting, q.shape[2], kwargs["where"]))  # fmt: skip
     return mapped(q, k, v) if mask is None else mapped(q, k, v, mask)
 
 
@@ -274,7 +291,8 @@ def attention_regions(gm: fx.GraphModule, s: Setting) -> dict[str, int]:
             except ValueError as err:
                 raise ValueError(f"scaled_dot_product_attention at {where}: {err}") from None
             done["masks"] += 1
-        node.target = _mapped(s.mesh, spec, causal, scale, s.method, s.layout, m)
+        seq = _ragged(s, q.meta["val"].shape[2], where)
+        node.target = _mapped(s.mesh, spec, causal, scale, s.method, s.layout, m, seq)
         node.args, node.kwargs = ((q, k, v) if mask is None else (q, k, v, mask)), {}
         done["calls"] += 1
     from .effects import eliminate_dead_code
@@ -282,6 +300,20 @@ def attention_regions(gm: fx.GraphModule, s: Setting) -> dict[str, int]:
     eliminate_dead_code(gm.graph)
     gm.recompile()
     return done
+
+
+def _ragged(s: Setting, seq: int, where: str) -> int | None:
+    """The sequence's length where cp does not divide it (its ranks hold torch.chunk's pieces), else None;
+    refused for the all-to-all, whose exchange of sequence shards for head shards needs equal ones."""
+    if seq % cp_size(s.mesh) == 0:
+        return None
+    if s.method == "all-to-all":
+        raise ValueError(
+            f"scaled_dot_product_attention at {where}: a sequence of {seq} tokens over cp={cp_size(s.mesh)} comes in "
+            "torch.chunk's pieces (uneven='chunk'), and the all-to-all swaps equal sequence shards for head shards. "
+            f"Fix: cp_method='ring' or 'all-gather' (which take unequal pieces), or a sequence that cp divides"
+        )
+    return seq
 
 
 def _call_of(node: fx.Node):

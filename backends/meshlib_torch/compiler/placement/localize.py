@@ -88,7 +88,10 @@ def _reshape(gm: fx.GraphModule, node: fx.Node, plan: NodePlan, axes: Axes, meth
     shape = _local_out(plan, axes)
     ragged = ragged_dims(plan.view.out_shape, plan.out, axes.sizes)
     with gm.graph.inserting_before(node):
-        if ragged:  # a dim whose size differs by rank keeps the input's size, read when it runs
+        if ragged and method == "reshape" and len(ragged) == 1:  # the one dim whose size differs by rank: -1
+            sizes = (-1 if d in ragged else n for d, n in enumerate(shape))
+            new = gm.graph.call_method(method, (plan.view.tensors[0], *sizes))
+        elif ragged:  # a dim whose size differs by rank keeps the input's size, read when it runs
             src = {o.dim: i.dim for i, o in zip(plan.need[0], plan.out) if isinstance(o, Shard) and o.dim in ragged}
             template = tuple(("dim", src[d]) if d in ragged else size for d, size in enumerate(shape))
             new = gm.graph.call_function(sized, (plan.view.tensors[0], method, template))

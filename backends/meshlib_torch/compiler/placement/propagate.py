@@ -20,7 +20,7 @@ import torch.fx as fx
 from .bind import OpView, bind
 from .ops import RULES, Strategy
 from .placements import INF, PARTIAL, Layout, Partial, R, Shard, cost
-from .shapes import dim_ways, divides
+from .shapes import chunked_groups, dim_ways, divides
 
 
 @dataclass
@@ -127,7 +127,9 @@ def fits(view: OpView, strat: Strategy, n: int, shape_after: list, uneven: bool 
         before = cut[min(k, len(cut) - 1)].get(p.dim) if isinstance(p, Shard) else None
         if before is False:
             return False  # a dim an earlier axis cut unevenly is cut no further
-        if not divides(shape, p, n) and (before is not None or not divides(shape, p, n, uneven=True)):
+        if divides(shape, p, n) or (before is None and divides(shape, p, n, uneven=True)):
+            continue
+        if not (before and chunked_groups(p, shape[p.dim], n)):  # groups of an even cut, each cut unevenly
             return False
     return _chunk_safe(view, strat, shape_after)
 
@@ -141,14 +143,26 @@ def _chunk_safe(view: OpView, strat: Strategy, shape_after: list) -> bool:
         if not isinstance(s, Shard):
             return True
         src, dst = shape_after[0], view.local[1] if view.local else view.out_shape
-        return (
-            isinstance(o, Shard) and src[s.dim] == dst[o.dim]
-            and math.prod(src[: s.dim]) == math.prod(dst[: o.dim])
-        )  # fmt: skip
+        if not isinstance(o, Shard):
+            return False
+        if src[s.dim] == dst[o.dim] and math.prod(src[: s.dim]) == math.prod(dst[: o.dim]):
+            return True
+        return _groups_kept(src, dst, s, o)
     if view.kind == "repeat_interleave":
         dim = view.p.get("dim")
         return not any(isinstance(s, Shard) and s.dim == dim % len(view.out_shape) for s in strat.inputs)
     return True
+
+
+def _groups_kept(src, dst, s: Shard, o: Shard) -> bool:
+    """A view that merges dims before an uneven one into it, or splits them off again ((B, S) <-> B*S rows,
+    S cut in torch.chunk's pieces): right when the uneven dim is the last of the dims the view merges on
+    either side, so each rank's rows are its piece of every group, and the groups' unit is the same."""
+    from .shapes import view_groups
+
+    runs = view_groups(src, dst) or []
+    last = any(s.dim == gi[-1] and o.dim == gj[-1] for gi, gj in runs if s.dim in gi and o.dim in gj)
+    return last and src[s.dim] * o.groups == dst[o.dim] * s.groups
 
 
 def _local_shapes(view: OpView, cur: list[Layout], axes: Axes, upto: int) -> list:

@@ -20,9 +20,9 @@ import torch.fx as fx
 
 from ..capture.source import source_line
 from ..capture.values import run_dtype
-from .placements import CP_AXIS, PARTIAL, Layout, Pending, R, Replicate, Shard, bus_bytes, kind, natural_grad
+from .placements import CP_AXIS, PARTIAL, Layout, Partial, Pending, R, Replicate, Shard, bus_bytes, kind, natural_grad
 from .propagate import Axes, NodePlan
-from .shapes import padded
+from .shapes import moved_size
 
 
 @dataclass(frozen=True)
@@ -241,10 +241,16 @@ def collective_records(specs: list[CommSpec], axes: Axes, remat=None) -> list[di
         if remat is not None and spec.name in remat.regather:
             passes.append(("backward", "forward", REGATHER))
         for phase, step_phase, why in passes:
-            for k, axis, a, b in spec.steps(axes, step_phase):
-                lay = spec.src if step_phase == "forward" else spec.grad_dst
+            moving = {axis: k for k, axis, _, _ in spec.steps(axes, step_phase)}
+            frm, to = (spec.src, spec.dst) if step_phase == "forward" else (spec.grad_dst, spec.grad_target())
+            lay = list(frm)  # as the runtime steps: each axis moves the value the steps before it left
+            for axis, a, b in step_order([(x, a, b) for x, a, b in zip(axes.names, frm, to) if a != b]):
+                before, lay[axes.names.index(axis)] = tuple(lay), b
+                k = moving.get(axis)
+                if k is None:
+                    continue
                 n = dict(zip(axes.names, axes.sizes))[axis]
-                payload = math.prod(_moved_shape(spec.shape, lay, axes, axis, a, b)) * itemsize
+                payload = math.prod(_moved_shape(spec.shape, before, axes, axis, a, b)) * itemsize
                 reason = f"{a!r}->{b!r}" + (f" ({why})" if why else "")
                 out.append(
                     dict(
@@ -253,6 +259,15 @@ def collective_records(specs: list[CommSpec], axes: Axes, remat=None) -> list[di
                     )
                 )  # fmt: skip
     return out
+
+
+def step_order(pairs: list) -> list:
+    """The order a redistribution's `(axis, from, to)` steps run in: reductions first, then gathers from the
+    innermost axis out (a dim two axes cut is whole over the inner one first), then slices and swaps."""
+    red = [p for p in pairs if isinstance(p[1], Partial)]
+    gat = [p for p in pairs if isinstance(p[1], Shard) and not isinstance(p[2], Shard)][::-1]
+    rest = [p for p in pairs if p not in red and p not in gat]
+    return red + gat + rest
 
 
 def _moved_shape(shape, layout: Layout, axes: Axes, axis: str, a, b) -> list[int]:
@@ -267,8 +282,8 @@ def _moved_shape(shape, layout: Layout, axes: Axes, axis: str, a, b) -> list[int
             out[p.dim] = -(-out[p.dim] // size)
     for p in (a, b):
         if isinstance(p, Shard):
-            out[p.dim] = padded(out[p.dim], n)
+            out[p.dim] = moved_size(p, out[p.dim], n)
     return out
 
 
-__all__ = ["CommSpec", "collective_records", "data_gathers", "insert_comms", "R"]
+__all__ = ["CommSpec", "collective_records", "data_gathers", "insert_comms", "R", "step_order"]

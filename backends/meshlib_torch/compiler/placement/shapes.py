@@ -110,7 +110,7 @@ def index_dim_map(shape: Sequence[int], index) -> dict[int, int | None] | None:
 def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int], coords=None) -> tuple[int, ...]:
     """The shape the rank at `coords` (default: coordinate 0 on every axis, the largest piece) holds
     of a value of global `shape`. A dim that does not divide is cut in torch.chunk's sizes, as
-    DTensor's Shard cuts it (only plain shards: propagation allows no other uneven ones)."""
+    DTensor's Shard cuts it; a shard in groups that do not divide, each group so (`chunked_groups`)."""
     out = list(shape)
     for i, (p, n) in enumerate(zip(layout, sizes)):
         if isinstance(p, Shard) and p.parts:
@@ -118,7 +118,9 @@ def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int], coor
                 raise ValueError(f"dim {p.dim} of {tuple(shape)} does not split over {n} ranks in parts {p.parts}")
             out[p.dim] //= n
         elif isinstance(p, Shard):
-            if out[p.dim] % (n * p.groups) == 0 or (p.groups > 1 and out[p.dim] % n == 0):
+            if chunked_groups(p, out[p.dim], n):
+                out[p.dim] = p.groups * chunk_rows(out[p.dim] // p.groups, n, coords[i] if coords else 0)[1]
+            elif out[p.dim] % (n * p.groups) == 0 or (p.groups > 1 and out[p.dim] % n == 0):
                 out[p.dim] //= n
             elif p.groups == 1:
                 out[p.dim] = chunk_rows(out[p.dim], n, coords[i] if coords else 0)[1]
@@ -138,7 +140,26 @@ def dim_ways(layout: Layout, sizes: Sequence[int]) -> dict[int, int]:
 
 def ragged_dims(shape: Sequence[int], layout: Layout, sizes: Sequence[int]) -> set[int]:
     """The dims of a value of global `shape` that `layout` cuts unevenly: their size differs by rank."""
-    return {d for d, w in dim_ways(layout, sizes).items() if shape[d] % w}
+    size, out = list(shape), set()
+    for p, n in zip(layout, sizes):  # in mesh order, each axis cutting what the ones before it left
+        if not isinstance(p, Shard):
+            continue
+        d = p.dim
+        if chunked_groups(p, size[d], n):
+            out.add(d)
+            size[d] = p.groups * -(-(size[d] // p.groups) // n)
+        else:
+            out |= {d} if size[d] % n else set()
+            size[d] = -(-size[d] // n)
+    return out
+
+
+def chunked_groups(p: Shard, size: int, n: int) -> bool:
+    """`p` cuts a dim of `size` in equal groups that `n` does not divide, each group in torch.chunk's pieces
+    (every rank non-empty): a sequence cut unevenly, merged with the batch before it ((B, S) -> B*S rows,
+    the sequence over context parallelism under uneven='chunk')."""
+    return (p.groups > 1 and not p.mirror and size % p.groups == 0 and (size // p.groups) % n != 0
+            and chunk_fits(size // p.groups, n))  # fmt: skip
 
 
 def divides(shape: Sequence[int], p, n: int, uneven: bool = False) -> bool:
@@ -151,7 +172,7 @@ def divides(shape: Sequence[int], p, n: int, uneven: bool = False) -> bool:
     size = shape[p.dim]
     if parts_divide(p, size, n):
         return True
-    return uneven and p.plain and chunk_fits(size, n)
+    return uneven and (p.plain and chunk_fits(size, n) or chunked_groups(p, size, n))
 
 
 def chunk_fits(size: int, n: int) -> bool:
@@ -164,6 +185,13 @@ def padded(size: int, n: int) -> int:
     return -(-size // n) * n
 
 
+def moved_size(p: Shard, size: int, n: int) -> int:
+    """A dim of `size` that `p` cuts over `n` ranks, as a collective moves it: padded to equal pieces (group by
+    group where each group is cut in torch.chunk's pieces)."""
+    groups = p.groups if chunked_groups(p, size, n) else 1
+    return groups * padded(size // groups, n)
+
+
 def shard_indices(shape, layout: Layout, sizes, coords) -> list[torch.Tensor]:
     """Per dim, the global indices this rank holds (nested shards applied in mesh order; a plain
     shard that does not divide in torch.chunk's sizes; a shard in groups or parts: its block of each)."""
@@ -173,6 +201,10 @@ def shard_indices(shape, layout: Layout, sizes, coords) -> list[torch.Tensor]:
             d = idx[p.dim]
             if p.plain and d.numel() % n:
                 idx[p.dim] = d.narrow(0, *chunk_rows(d.numel(), n, c))
+                continue
+            if chunked_groups(p, d.numel(), n):
+                unit = d.numel() // p.groups
+                idx[p.dim] = d.view(p.groups, unit).narrow(1, *chunk_rows(unit, n, c)).reshape(-1)
                 continue
             pieces = d.split(list(part_sizes(p, d.numel())))
             idx[p.dim] = torch.cat([piece.reshape(n, -1)[p.rank_block(i, c, n)] for i, piece in enumerate(pieces)])
