@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from ..modules.recompute import replaying
 from ..torch_private import in_backward
 from .records import Bound, Call, Record
 from .region import Axes
@@ -46,7 +47,11 @@ def nbytes(x: torch.Tensor) -> int:
 
 
 def phase() -> str:
-    return "backward" if in_backward() else "forward"
+    """The phase a region's collective runs in: "recompute" while a checkpointed layer replays its forward (a
+    region's collectives are not cached through it: they run again), else backward or forward."""
+    if not in_backward():
+        return "forward"
+    return "recompute" if replaying() else "backward"
 
 
 class InFlight:

@@ -25,7 +25,7 @@ from ..capture.trace import Traced
 from ..placement.placements import sync_axes, zero1_split
 from ..placement.propagate import Axes
 from ..placement.rank_ops import RANK_OPS
-from ..placement.redistribute import collective_records
+from ..placement.redistribute import RERUN, collective_records
 from ..placement.shapes import local_shape, ragged_dims
 from ..program import deferred_loss, fsdp_whole
 
@@ -37,7 +37,11 @@ def graph_collectives(
     (a microbatch each) on the ranks at pp coordinate `pp_rank`; `remat`: what recompute and
     backward run again (`saved.remat_of`)."""
     records = collective_records(comms, axes, remat)
-    records += [r for spec in specials for r in RANK_OPS[spec.kind].records(spec, axes)]  # rank-dependent ops'
+    for spec in specials:  # rank-dependent ops': a region a recomputed layer runs again moves its forward again
+        mine = RANK_OPS[spec.kind].records(spec, axes)
+        again = remat is not None and spec.name in remat.rerun
+        records += mine + [dict(r, phase="recompute", reason=f"{r['reason']} ({RERUN})")
+                           for r in mine if again and r["phase"] == "forward"]  # fmt: skip
     return [
         Collective(
             r["kind"], r["axes"], r["bytes"], r["node"], r["op"], r["source"], r["reason"], r["phase"], count,

@@ -182,12 +182,16 @@ def remat_of(compiled, found: Census) -> Remat:
         for k in keys:
             savers.setdefault(found.made[k], set()).add(name)
     rerun, regather = set(), set()
+    regions = {s.name for s in compiled.specials}  # their collectives are never cached: recompute runs them again
     for node in compiled.graph.nodes:
         spec = comms.get(node.target) if node.op == "call_module" else None
+        part = parts.get(node.name, -1)
+        again = recomputed(part) and found.order.get(node.name, -1) < last.get(part, -1)
+        if node.op == "call_module" and node.target in regions and again:
+            rerun.add(node.target)
         if spec is None:
             continue
-        part = parts.get(node.name, -1)
-        if recomputed(part) and not kept(spec, mode) and found.order[node.name] < last.get(part, -1):
+        if again and not kept(spec, mode):
             rerun.add(spec.name)
         if gathers(spec) and any(not recomputed(parts.get(u, -1)) for u in savers.get(node.name, ())):
             regather.add(spec.name)
