@@ -6,9 +6,11 @@ torch backend, `meshlib_torch`, compiles and runs what the core declares.
 
 from ._backend import backend
 from .cost import ModelState, dp_comm_bytes, fsdp2_memory, min_max_partition, tp_comm_bytes, zero_level, zero_memory
+from .devices import A100, H100, DeviceProfile, Link, device_profile
 from .mesh import CANONICAL_AXES, Mesh
 from .options import Parallelism, Pipelining, Running
 from .plan import Boundary, Collective, Kept, Memory, Plan, Precision, Stage
+from .predict import Prediction, predict
 from .rules import LogicalRules, PatternRules, Rule, apply_rules, compose, dims, logical_rules, pattern_rules
 from .schedules import (
     ACTION_KINDS,
@@ -33,19 +35,26 @@ from .tree import (
     unflatten_dotted,
 )
 from .visualize import Layout, layout
+from .workload import Comm, Compute, StageWork, Workload
 
 PartitionSpec = P
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "A100",
     "ACTION_KINDS",
     "Action",
     "Boundary",
     "CANONICAL_AXES",
     "Collective",
+    "Comm",
+    "Compute",
+    "DeviceProfile",
+    "H100",
     "Kept",
     "Layout",
+    "Link",
     "LogicalRules",
     "Memory",
     "Mesh",
@@ -58,6 +67,7 @@ __all__ = [
     "Pipelining",
     "Plan",
     "Precision",
+    "Prediction",
     "Rule",
     "Running",
     "SCHEDULE_NAMES",
@@ -65,12 +75,15 @@ __all__ = [
     "ShapeDtype",
     "Simulation",
     "Stage",
+    "StageWork",
     "UNCONSTRAINED",
     "UNEVEN_POLICIES",
+    "Workload",
     "apply_rules",
     "backend",
     "bubble_formula",
     "compose",
+    "device_profile",
     "dims",
     "dp_comm_bytes",
     "flatten_dotted",
@@ -84,6 +97,7 @@ __all__ = [
     "min_max_partition",
     "one_f_one_b",
     "pattern_rules",
+    "predict",
     "schedule",
     "simulate",
     "tp_comm_bytes",

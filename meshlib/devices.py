@@ -1,0 +1,218 @@
+"""Device profiles: what a time model needs to know of the hardware, one set of constants per device kind.
+
+A `DeviceProfile` holds a device's peak FLOP/s per dtype, the fraction of it a matrix product of a given size
+reaches, its memory and memory bandwidth, and the network as `Link` levels (inside a node, then across
+nodes), each with a latency per algorithm step and a bandwidth per device. The constants are cited (the
+built-in GPU profiles) or measured by a stated micro-benchmark (`meshlib calibrate` for CPU ranks); they
+are never fitted to a configuration.
+
+Example:
+    >>> A100.flops_per_s("bfloat16") / 1e12
+    312.0
+    >>> round(A100.matmul_fraction(1e12), 3)  # a 1 TFLOP matrix product
+    0.796
+    >>> [link.name for link in H100.links]
+    ['nvlink', 'infiniband']
+    >>> DeviceProfile.from_json(H100.to_json()) == H100
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["A100", "COLLECTIVE_ALGORITHMS", "DeviceProfile", "H100", "Link", "PROFILES", "device_profile"]
+
+# what a collective's time is read from: `Link.efficiency` per kind of collective
+COLLECTIVE_ALGORITHMS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One level of the network, as each device sees it.
+
+    `alpha`: seconds per step of a collective algorithm (a ring all-reduce over n devices takes 2(n-1) steps,
+    a tree 2·log2(n)); `bandwidth`: bytes per second a device sends in one direction at best; `efficiency`:
+    the fraction of `bandwidth` a collective of each kind reaches on large messages (`(kind, fraction)`
+    pairs; a kind not named reaches 1.0)."""
+
+    name: str
+    alpha: float
+    bandwidth: float
+    efficiency: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self):
+        if not (self.alpha >= 0 and self.bandwidth > 0):
+            raise ValueError(f"Link {self.name!r}: alpha={self.alpha} must be >= 0 and bandwidth={self.bandwidth} > 0")
+        _set = object.__setattr__
+        _set(self, "efficiency", tuple((str(k), float(v)) for k, v in dict(self.efficiency).items()))
+        for kind, value in self.efficiency:
+            if kind not in COLLECTIVE_ALGORITHMS or not 0 < value <= 1:
+                raise ValueError(
+                    f"Link {self.name!r}: efficiency {kind!r}={value} must name one of {COLLECTIVE_ALGORITHMS} "
+                    "with a fraction in (0, 1]"
+                )
+
+    def bus_bandwidth(self, kind: str) -> float:
+        """Bytes per second a collective of `kind` moves per device on this link."""
+        return self.bandwidth * dict(self.efficiency).get(kind, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProfile:
+    """One kind of device and the network between them.
+
+    - `flops`: peak dense FLOP/s per dtype (`(dtype, flop/s)` pairs, dtype names as torch spells them);
+    - `matmul_efficiency`, `matmul_half`: a matrix product of f FLOPs reaches the fraction
+      `matmul_efficiency * f / (f + matmul_half)` of peak (large ones `matmul_efficiency`, one of
+      `matmul_half` FLOPs half of that);
+    - `memory`, `memory_bandwidth`, `memory_efficiency`: bytes per device, bytes per second at peak, and the
+      fraction of it that elementwise ops reach (they are bound by memory traffic);
+    - `devices_per_node`, `links`: the network, innermost level first (inside a node, then across nodes);
+    - `host_per_op`: seconds of host time per op (launch, dispatch); `host_overlaps`: whether the host runs
+      ahead of the device (GPUs: a step takes the longer of the two) or computes itself (CPUs: the sum);
+    - `cores`: on a CPU host, the cores its ranks share (0: every device computes alone); ranks beyond it
+      share them, each computing `cores / ranks` as fast;
+    - `source`: where the figures come from."""
+
+    name: str
+    flops: tuple[tuple[str, float], ...]
+    matmul_efficiency: float
+    matmul_half: float
+    memory: int
+    memory_bandwidth: float
+    devices_per_node: int
+    links: tuple[Link, ...]
+    memory_efficiency: float = 0.8
+    host_per_op: float = 0.0
+    host_overlaps: bool = True
+    cores: int = 0
+    source: str = ""
+    extra: tuple[tuple[str, float], ...] = field(default=())  # measured figures a profile carries along
+
+    def __post_init__(self):
+        _set = object.__setattr__
+        _set(self, "flops", tuple((str(k), float(v)) for k, v in dict(self.flops).items()))
+        _set(self, "links", tuple(self.links))
+        _set(self, "extra", tuple((str(k), float(v)) for k, v in dict(self.extra).items()))
+        problems = []
+        if not self.flops or any(v <= 0 for _, v in self.flops):
+            problems.append(f"flops={dict(self.flops)} must give a positive FLOP/s for at least one dtype")
+        if not 0 < self.matmul_efficiency <= 1 or self.matmul_half < 0:
+            problems.append(f"matmul_efficiency={self.matmul_efficiency} in (0, 1], matmul_half >= 0")
+        if not 0 < self.memory_efficiency <= 1 or self.memory_bandwidth <= 0 or self.memory <= 0:
+            problems.append("memory, memory_bandwidth > 0 and memory_efficiency in (0, 1]")
+        if self.devices_per_node < 1 or not self.links or len(self.links) > 2:
+            problems.append(f"devices_per_node={self.devices_per_node} >= 1 and one or two links ({self.links})")
+        if self.host_per_op < 0 or self.cores < 0:
+            problems.append("host_per_op and cores >= 0")
+        if problems:
+            raise ValueError(f"DeviceProfile {self.name!r}: " + "; ".join(problems))
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Peak FLOP/s in `dtype` (float32 where the profile has no figure for it: a CPU's bf16 runs as such)."""
+        table = dict(self.flops)
+        if dtype in table:
+            return table[dtype]
+        if "float32" in table:
+            return table["float32"]
+        raise ValueError(f"profile {self.name!r} gives no FLOP/s for {dtype} (it has {sorted(table)})")
+
+    def matmul_fraction(self, flops: float) -> float:
+        """The fraction of peak a matrix product of `flops` FLOPs reaches."""
+        return self.matmul_efficiency * flops / (flops + self.matmul_half) if flops > 0 else 0.0
+
+    @property
+    def intra(self) -> Link:
+        return self.links[0]
+
+    @property
+    def inter(self) -> Link:
+        return self.links[-1]
+
+    def replace(self, **changes) -> DeviceProfile:
+        return dataclasses.replace(self, **changes)
+
+    # -- JSON -----------------------------------------------------------------------------------------
+    def to_json(self, **dumps) -> str:
+        data = dataclasses.asdict(self)
+        data["links"] = [dataclasses.asdict(link) for link in self.links]
+        return json.dumps(data, **dumps)
+
+    @classmethod
+    def from_json(cls, text: str) -> DeviceProfile:
+        data = json.loads(text)
+        links = tuple(Link(**{**link, "efficiency": tuple(map(tuple, link.get("efficiency", ())))})
+                      for link in data.pop("links"))  # fmt: skip
+        for name in ("flops", "extra"):
+            data[name] = tuple(map(tuple, data.get(name, ())))
+        return cls(links=links, **data)
+
+
+GIB = 1 << 30
+
+# NVIDIA A100 SXM4 80 GB, in a DGX A100 node (8 GPUs). Peak: 312 TFLOP/s dense bf16/fp16 on tensor cores,
+# 156 tf32, 19.5 fp32 and fp64 (NVIDIA A100 Tensor Core GPU datasheet, 2021); HBM2e 2,039 GB/s. NVLink 3:
+# 12 links of 25 GB/s each way, 300 GB/s per direction per GPU (datasheet). Across nodes: 8 ConnectX-6 HDR
+# InfiniBand adapters per node, 200 Gb/s = 25 GB/s each way per GPU (DGX A100 user guide).
+A100 = DeviceProfile(
+    name="a100",
+    flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12), ("float64", 19.5e12)),
+    matmul_efficiency=0.8,
+    matmul_half=5e9,
+    memory=80 * GIB,
+    memory_bandwidth=2.039e12,
+    devices_per_node=8,
+    links=(
+        Link("nvlink", alpha=5e-6, bandwidth=300e9, efficiency=(("all_reduce", 0.8), ("all_gather", 0.8),
+             ("reduce_scatter", 0.8), ("all_to_all", 0.7), ("send_recv", 0.8))),  # fmt: skip
+        Link("infiniband", alpha=10e-6, bandwidth=25e9, efficiency=(("all_reduce", 0.9), ("all_gather", 0.9),
+             ("reduce_scatter", 0.9), ("all_to_all", 0.7), ("send_recv", 0.9))),  # fmt: skip
+    ),
+    host_per_op=0.0,
+    source="NVIDIA A100 datasheet (peak, HBM, NVLink 3); DGX A100 user guide (8x HDR 200 Gb/s)",
+)
+
+# NVIDIA H100 SXM5 80 GB, in a DGX H100 node (8 GPUs). Peak: 989 TFLOP/s dense bf16/fp16, 67 fp32, 67 fp64
+# tensor (NVIDIA H100 Tensor Core GPU datasheet, 2023); HBM3 3.35 TB/s. NVLink 4: 18 links, 450 GB/s per
+# direction per GPU. Across nodes: 8 ConnectX-7 NDR 400 Gb/s = 50 GB/s each way per GPU (DGX H100 user
+# guide; Meta's Llama 3 clusters use 400 Gb/s RoCE or InfiniBand per GPU, arXiv:2407.21783 sec. 3.3.1).
+H100 = DeviceProfile(
+    name="h100",
+    flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12), ("float64", 67e12)),
+    matmul_efficiency=0.75,
+    matmul_half=15e9,
+    memory=80 * GIB,
+    memory_bandwidth=3.35e12,
+    devices_per_node=8,
+    links=(
+        Link("nvlink", alpha=5e-6, bandwidth=450e9, efficiency=(("all_reduce", 0.8), ("all_gather", 0.8),
+             ("reduce_scatter", 0.8), ("all_to_all", 0.7), ("send_recv", 0.8))),  # fmt: skip
+        Link("infiniband", alpha=10e-6, bandwidth=50e9, efficiency=(("all_reduce", 0.9), ("all_gather", 0.9),
+             ("reduce_scatter", 0.9), ("all_to_all", 0.7), ("send_recv", 0.9))),  # fmt: skip
+    ),
+    host_per_op=0.0,
+    source="NVIDIA H100 datasheet (peak, HBM3, NVLink 4); DGX H100 user guide (8x NDR 400 Gb/s)",
+)
+
+PROFILES = {"a100": A100, "h100": H100}
+
+
+def device_profile(name_or_path: str | DeviceProfile) -> DeviceProfile:
+    """A built-in profile by name (`a100`, `h100`), or one read from a JSON file (`meshlib calibrate` writes
+    one; `cpu` is the calibrated profile of this machine, which the torch backend finds)."""
+    if isinstance(name_or_path, DeviceProfile):
+        return name_or_path
+    key = str(name_or_path).strip().lower()
+    if key in PROFILES:
+        return PROFILES[key]
+    path = Path(name_or_path)
+    if path.suffix == ".json" and path.is_file():
+        return DeviceProfile.from_json(path.read_text())
+    raise ValueError(
+        f"profile {name_or_path!r}: use one of {sorted(PROFILES)}, 'cpu' (calibrated: `meshlib calibrate`), "
+        "or the path of a profile's .json file"
+    )

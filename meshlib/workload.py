@@ -1,0 +1,148 @@
+"""What one training step asks of each rank, in the terms a time model reads.
+
+A `Workload` is built from a compiled plan (the torch backend reads its graph: every op's FLOPs and bytes,
+every collective the plan lists) or from closed forms (`meshlib.transformer`, for shapes too large to
+trace in a search). `meshlib.predict` turns it and a `DeviceProfile` into a step time.
+
+- `Compute`: the ops of one pass (forward, backward, recompute) of one pipeline stage over one microbatch on
+  one rank: its matrix products by size, and the rest as FLOPs, bytes of memory traffic and an op count.
+- `Comm`: a collective as the time model sees it: kind, the mesh axes it runs over, its payload per rank
+  (a `Collective`'s `bytes`), how often, and what it can hide behind (`overlap`).
+- `StageWork`: what the ranks at one pipeline coordinate do per microbatch and per step.
+
+Example:
+    >>> c = Compute(matmuls=((2e9, 1e7, 4),), flops=1e6, bytes=4e6, ops=10)
+    >>> c.total_flops, c.op_count
+    (8001000000.0, 14)
+    >>> (c + c).matmuls
+    ((2000000000.0, 10000000.0, 8),)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .mesh import Mesh
+
+__all__ = ["OVERLAPS", "Comm", "Compute", "StageWork", "Workload"]
+
+# what a collective can run behind: nothing (it waits for its input and its output is needed at once), the
+# backward of the last microbatch (gradient reductions, bucketed as backward frees them), the forward
+# (ZeRO-3's prefetched all-gathers), or the compute of its own op (the ring's hops behind its blocks)
+OVERLAPS = ("none", "backward", "forward", "compute")
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """One pass of one stage over one microbatch on one rank.
+
+    `matmuls`: `(flops, bytes, count)` per size of matrix product: `count` products of `flops` FLOPs each,
+    each reading and writing `bytes`; `flops`, `bytes`, `ops`: every other op together (elementwise, norms,
+    softmax: bound by memory traffic)."""
+
+    matmuls: tuple[tuple[float, float, int], ...] = ()
+    flops: float = 0.0
+    bytes: float = 0.0
+    ops: int = 0
+
+    def __post_init__(self):
+        merged: dict[tuple[float, float], int] = {}
+        for f, b, n in self.matmuls:
+            if n:
+                merged[(float(f), float(b))] = merged.get((float(f), float(b)), 0) + int(n)
+        object.__setattr__(self, "matmuls", tuple((f, b, n) for (f, b), n in sorted(merged.items(), reverse=True)))
+        if min(self.flops, self.bytes, self.ops) < 0:
+            raise ValueError(f"Compute: flops={self.flops}, bytes={self.bytes}, ops={self.ops} must be >= 0")
+
+    @property
+    def matmul_flops(self) -> float:
+        return sum(f * n for f, _, n in self.matmuls)
+
+    @property
+    def total_flops(self) -> float:
+        return self.matmul_flops + self.flops
+
+    @property
+    def op_count(self) -> int:
+        return self.ops + sum(n for _, _, n in self.matmuls)
+
+    def __add__(self, other: Compute) -> Compute:
+        return Compute(self.matmuls + other.matmuls, self.flops + other.flops, self.bytes + other.bytes,
+                       self.ops + other.ops)  # fmt: skip
+
+    def scaled(self, k: float) -> Compute:
+        """`k` times the work (k a whole number of repeats for the op counts)."""
+        return Compute(tuple((f, b, round(n * k)) for f, b, n in self.matmuls), self.flops * k, self.bytes * k,
+                       round(self.ops * k))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Comm:
+    """A collective: `count` runs per step (per microbatch in `StageWork.comm`) of `bytes` payload per rank
+    over `axes`, in `phase`; `overlap` (one of `OVERLAPS`) says what it can hide behind."""
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: float
+    phase: str = "forward"
+    count: float = 1
+    overlap: str = "none"
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes", tuple(self.axes))
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"Comm overlap={self.overlap!r}: use one of {OVERLAPS}")
+
+
+@dataclass(frozen=True, slots=True)
+class StageWork:
+    """The ranks at one pipeline coordinate (every rank without a pipeline).
+
+    Per microbatch and stage chunk: `forward`, `backward` (input and weight gradients; `weight` is the part of
+    it a zero-bubble schedule runs apart, W), `recompute` (the forward again under recompute); `comm`, the
+    collectives each runs (phase forward, backward or recompute), and `send`, the bytes a stage sends its
+    neighbour (activations forward, their gradient backward). Per step: `step_comm` (gradient sync, ZeRO's
+    gathers), `optimizer` (the update: memory traffic and op count), `memory` (peak bytes per rank)."""
+
+    forward: Compute
+    backward: Compute
+    recompute: Compute = field(default_factory=Compute)
+    weight: Compute | None = None
+    comm: tuple[Comm, ...] = ()
+    send: float = 0.0
+    step_comm: tuple[Comm, ...] = ()
+    optimizer: Compute = field(default_factory=Compute)
+    memory: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "comm", tuple(self.comm))
+        object.__setattr__(self, "step_comm", tuple(self.step_comm))
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """One step on `mesh`: `stages` per pipeline coordinate (one without a pipeline), the pipeline's
+    `schedule`, `microbatches` and `chunks` per rank, the step's `tokens` (global), the `model_flops` that
+    count toward MFU (forward and backward of the model once, global: no recompute, no padding) and the
+    `dtype` matrix products run in."""
+
+    mesh: Mesh
+    stages: tuple[StageWork, ...]
+    tokens: int
+    model_flops: float
+    dtype: str = "bfloat16"
+    schedule: str = ""
+    microbatches: int = 1
+    chunks: int = 1
+    pp_axis: str = "pp"
+
+    def __post_init__(self):
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if not self.stages:
+            raise ValueError("Workload needs at least one stage")
+        if self.microbatches < 1 or self.chunks < 1:
+            raise ValueError(f"Workload: microbatches={self.microbatches} and chunks={self.chunks} must be >= 1")
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages) if self.schedule else 1
