@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["A100", "COLLECTIVE_ALGORITHMS", "DeviceProfile", "H100", "Link", "PROFILES", "device_profile"]
+__all__ = [
+    "A100", "COLLECTIVE_ALGORITHMS", "DeviceProfile", "H100", "Link", "PROFILES", "PROFILE_DIR_ENV", "device_profile",
+    "find_profile", "profile_dir",
+]  # fmt: skip
 
 # what a collective's time is read from: `Link.efficiency` per kind of collective
 COLLECTIVE_ALGORITHMS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
@@ -76,6 +80,9 @@ class DeviceProfile:
       ahead of the device (GPUs: a step takes the longer of the two) or computes itself (CPUs: the sum);
     - `cores`: on a CPU host, the cores its ranks share (0: every device computes alone); ranks beyond it
       share them, each computing `cores / ranks` as fast;
+    - `comm_oversubscription`: on such a host, a collective takes `(ranks / cores) ** comm_oversubscription`
+      times its link's alpha-beta time while the ranks outnumber the cores (`comm_slowdown`; measured by
+      `meshlib calibrate`, where gloo's steps wait for a rank to get a core; 0: no slowdown);
     - `source`: where the figures come from."""
 
     name: str
@@ -90,6 +97,7 @@ class DeviceProfile:
     host_per_op: float = 0.0
     host_overlaps: bool = True
     cores: int = 0
+    comm_oversubscription: float = 0.0
     source: str = ""
     extra: tuple[tuple[str, float], ...] = field(default=())  # measured figures a profile carries along
 
@@ -107,8 +115,8 @@ class DeviceProfile:
             problems.append("memory, memory_bandwidth > 0 and memory_efficiency in (0, 1]")
         if self.devices_per_node < 1 or not self.links or len(self.links) > 2:
             problems.append(f"devices_per_node={self.devices_per_node} >= 1 and one or two links ({self.links})")
-        if self.host_per_op < 0 or self.cores < 0:
-            problems.append("host_per_op and cores >= 0")
+        if self.host_per_op < 0 or self.cores < 0 or self.comm_oversubscription < 0:
+            problems.append("host_per_op, cores and comm_oversubscription >= 0")
         if problems:
             raise ValueError(f"DeviceProfile {self.name!r}: " + "; ".join(problems))
 
@@ -124,6 +132,13 @@ class DeviceProfile:
     def matmul_fraction(self, flops: float) -> float:
         """The fraction of peak a matrix product of `flops` FLOPs reaches."""
         return self.matmul_efficiency * flops / (flops + self.matmul_half) if flops > 0 else 0.0
+
+    def comm_slowdown(self, ranks: int) -> float:
+        """How many times longer than its link's alpha-beta time a collective takes while `ranks` ranks share
+        this host's `cores` (1.0 where they do not outnumber them, or on devices that do not share cores)."""
+        if not self.cores or ranks <= self.cores:
+            return 1.0
+        return (ranks / self.cores) ** self.comm_oversubscription
 
     @property
     def intra(self) -> Link:
@@ -201,9 +216,30 @@ H100 = DeviceProfile(
 PROFILES = {"a100": A100, "h100": H100}
 
 
+PROFILE_DIR_ENV = "MESHLIB_PROFILE_DIR"
+_PACKAGED = Path(__file__).parent / "profiles"  # measured profiles shipped with meshlib (package data)
+
+
+def profile_dir() -> Path:
+    """Where `meshlib calibrate` writes a measured profile and `device_profile` looks first:
+    `$MESHLIB_PROFILE_DIR`, else `~/.cache/meshlib/profiles`."""
+    return Path(os.environ.get(PROFILE_DIR_ENV) or Path.home() / ".cache" / "meshlib" / "profiles")
+
+
+def find_profile(name: str) -> tuple[Path, str] | None:
+    """The file a measured profile `name` is read from, and which: `"calibrated"` (`profile_dir()/name.json`,
+    written by `meshlib calibrate` on this machine) or else `"packaged"` (`meshlib/profiles/name.json`, measured
+    on the machine meshlib was released from); None when neither exists."""
+    for path, kind in ((profile_dir() / f"{name}.json", "calibrated"), (_PACKAGED / f"{name}.json", "packaged")):
+        if path.is_file():
+            return path, kind
+    return None
+
+
 def device_profile(name_or_path: str | DeviceProfile) -> DeviceProfile:
-    """A built-in profile by name (`a100`, `h100`), or one read from a JSON file (`meshlib calibrate` writes
-    one; `cpu` is the calibrated profile of this machine, which the torch backend finds)."""
+    """A built-in profile by name (`a100`, `h100`); a measured one by name (`cpu`: this machine's gloo ranks,
+    see `find_profile`: the calibrated file, else the packaged one); or one read from a JSON file. A measured
+    profile's `source` ends by naming the file it was read from and which kind it is."""
     if isinstance(name_or_path, DeviceProfile):
         return name_or_path
     key = str(name_or_path).strip().lower()
@@ -212,7 +248,18 @@ def device_profile(name_or_path: str | DeviceProfile) -> DeviceProfile:
     path = Path(name_or_path)
     if path.suffix == ".json" and path.is_file():
         return DeviceProfile.from_json(path.read_text())
+    found = find_profile(key) if key.replace("-", "").replace("_", "").isalnum() else None
+    if found is not None:
+        profile = DeviceProfile.from_json(found[0].read_text())
+        note = "this machine" if found[1] == "calibrated" else "packaged, measured elsewhere: `meshlib calibrate`"
+        return profile.replace(source=f"{profile.source}; read from {found[0]} ({found[1]}: {note})")
+    if key == "cpu":
+        raise ValueError(
+            f"no CPU profile: none calibrated at {profile_dir() / 'cpu.json'} and none packaged with meshlib. "
+            "Fix: run `meshlib calibrate` to measure this machine's gloo ranks (or set "
+            f"${PROFILE_DIR_ENV} to the directory holding a cpu.json)"
+        )
     raise ValueError(
-        f"profile {name_or_path!r}: use one of {sorted(PROFILES)}, 'cpu' (calibrated: `meshlib calibrate`), "
+        f"profile {name_or_path!r}: use one of {sorted(PROFILES)}, 'cpu' (measured: `meshlib calibrate`), "
         "or the path of a profile's .json file"
     )
