@@ -1,8 +1,9 @@
-"""The `meshlib` command. Its options are parsed here, with no torch; `plan` and `run` are then
-carried out by the installed backend (torch: `meshlib_torch.cli`).
+"""The `meshlib` command. Its options are parsed here, with no torch; `plan`, `run` and `calibrate` are
+then carried out by the installed backend (torch: `meshlib_torch.cli`).
 
     meshlib plan --model llama-7b --mesh dp=8,tp=4
     meshlib run --nproc-per-node 4 --model gpt-tiny --mesh dp=2,tp=2 --steps 20
+    meshlib calibrate --ranks 2,4,8
 
 So `meshlib --help`, `meshlib plan --help` and `meshlib --version` answer at once, and a
 mistyped choice is refused (exit status 2) before torch is imported. `python -m meshlib`
@@ -39,6 +40,7 @@ examples:
   meshlib plan --model llama-7b --mesh dp=8,tp=4 --sp
   meshlib plan --model mypkg.model:build --rules mypkg.model:rules --mesh dp=2,tp=2
   meshlib run --nproc-per-node 4 --model gpt-tiny --mesh dp=2,tp=2 --steps 20
+  meshlib calibrate --quick --ranks 2
   torchrun --nproc-per-node 4 -m meshlib_torch run --model gpt-tiny --mesh dp=2,tp=2
 
 `python -m meshlib` with no arguments shows the core alone, with no torch."""
@@ -266,8 +268,42 @@ def _launcher(run: argparse.ArgumentParser) -> None:
     g.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group after a failure")
 
 
+def _world_sizes(text: str) -> tuple[int, ...]:
+    """`--ranks 2,4,8`: distinct world sizes of at least 2, ascending."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [w for w in words if not w.isdigit() or int(w) < 2]
+    if not words or bad:
+        what = f"{', '.join(map(repr, bad))} {'is not a world size' if len(bad) == 1 else 'are not world sizes'}"
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {what if bad else 'no world size given'}; give numbers of ranks of 2 or more (a collective "
+            "needs two), separated by commas, e.g. 2,4,8"
+        )
+    return tuple(sorted({int(w) for w in words}))
+
+
+def _calibrate(sub) -> None:
+    cal = sub.add_parser(
+        "calibrate", help="measure this machine's gloo CPU ranks and write their device profile",
+        formatter_class=_Formatter, usage="%(prog)s [options]",
+        description="Run micro-benchmarks on real gloo ranks (one torch thread each, as meshlib runs them):\n"
+        "matrix products by size and dtype, memory bandwidth, host time per op, ranks sharing the cores,\n"
+        "and collectives from 1 KiB to 64 MiB. Write the fitted device profile as JSON and print the figures.\n"
+        "`meshlib plan --profile cpu` (and meshlib.device_profile('cpu')) then reads it.",
+    )  # fmt: skip
+    cal.add_argument(
+        "--out", default=None, metavar="PATH",
+        help="where to write the profile (default: $MESHLIB_PROFILE_DIR/cpu.json, else "
+        "~/.cache/meshlib/profiles/cpu.json); the raw measurements go beside it, *.measurements.json",
+    )  # fmt: skip
+    cal.add_argument(
+        "--ranks", type=_world_sizes, default="2,4,8", metavar="N,N,..",
+        help="world sizes to measure collectives and shared cores on",
+    )  # fmt: skip
+    cal.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (under a minute on 2 ranks)")
+
+
 def parser() -> argparse.ArgumentParser:
-    """The parser of `meshlib {plan,run}`; building it imports no torch."""
+    """The parser of `meshlib {plan,run,calibrate}`; building it imports no torch."""
     top = Parser(
         prog="meshlib",
         description="Plan and run meshlib-parallel training.",
@@ -275,7 +311,7 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     top.add_argument("--version", action="version", version=f"meshlib {version()}")
-    sub = top.add_subparsers(dest="command", metavar="{plan,run}", parser_class=Parser)
+    sub = top.add_subparsers(dest="command", metavar="{plan,run,calibrate}", parser_class=Parser)
     plan = sub.add_parser(
         "plan", help="compile on the meta device and print the plan (no processes)", formatter_class=_Formatter,
         usage="%(prog)s [options]",
@@ -310,6 +346,7 @@ def parser() -> argparse.ArgumentParser:
         help="after training, write the model there as Hugging Face safetensors (sharded files with the index)",
     )  # fmt: skip
     _launcher(run)
+    _calibrate(sub)
     return top
 
 

@@ -1,4 +1,4 @@
-"""`meshlib plan` and `meshlib run`, carried out: the options are `meshlib.cli`'s parser.
+"""`meshlib plan`, `meshlib run` and `meshlib calibrate`, carried out: the options are `meshlib.cli`'s parser.
 
     meshlib plan --model llama-7b --mesh dp=8,tp=4
     meshlib plan --model mypkg.model:build --rules mypkg.model:rules --mesh dp=2,tp=2
@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "plan":
             plan_main(args)
+        elif args.command == "calibrate":
+            from .calibrate import calibrate_main
+
+            calibrate_main(args)
         else:
             run_main(args, argv)
     except BrokenPipeError:  # `meshlib plan ... | head`: the reader has gone; say nothing more

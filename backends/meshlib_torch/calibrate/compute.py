@@ -1,0 +1,176 @@
+"""Micro-benchmarks of one rank's compute, run inside a gloo rank process as meshlib's ranks compute.
+
+Every function here runs on a rank of `meshlib_torch.testing.pool` (one torch thread, as every rank has:
+`torch.set_num_threads(1)`, the pool's and torchrun's `OMP_NUM_THREADS=1`) and returns plain data. The
+timing rule, `timed`, is shared by all of them and by `collectives`: one warm-up call, then batches of
+back-to-back calls that last about `target` seconds each, and the median over batches of the time per call.
+
+- `matmul_times`: a matrix product's time by size, dtype and operand layout (torch.mm on square shapes and
+  on the three products of a transformer's linear layer: forward, input gradient, weight gradient);
+- `memory_times`: elementwise ops (copy, add, mul) on tensors far larger than the caches;
+- `host_times`: tiny ops, where the time is Python, the dispatcher and autograd, not arithmetic;
+- `busy_compute`: one fixed job, every rank of the pool at once, to see ranks share the cores.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["busy_compute", "host_times", "matmul_shapes", "matmul_times", "memory_times", "timed"]
+
+DTYPES = ("float32", "float64", "bfloat16")
+# operand layouts, as a linear layer y = x @ W.T (x: tokens x in, W: out x in) runs its three products
+LAYOUTS = ("nn", "nt", "tn")  # nn: dX = dY @ W; nt: y = x @ W.T (F.linear); tn: dW = dY.T @ x
+
+
+def timed(fn, *, target: float = 0.02, batches: int = 5, max_call: float = float("inf")) -> float | None:
+    """Median seconds per call of `fn()`: one warm-up call (which also estimates the time), then
+    `batches` batches of back-to-back calls lasting about `target` seconds each (at least one call),
+    the median of their means. None, after the warm-up only, when one call took more than `max_call`."""
+    start = time.perf_counter()
+    fn()
+    estimate = time.perf_counter() - start
+    if estimate > max_call:
+        return None
+    reps = max(1, min(100_000, round(target / max(estimate, 1e-7))))
+    means = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        means.append((time.perf_counter() - start) / reps)
+    return statistics.median(means)
+
+
+def _pin() -> None:
+    torch.set_num_threads(1)  # the pool's ranks run one thread each, as under torchrun with OMP_NUM_THREADS=1
+    torch.set_grad_enabled(False)
+
+
+def matmul_shapes(quick: bool) -> list[tuple[str, str, int, int, int]]:
+    """(shape family, layout, m, k, n) of each product measured, from ~1e5 to ~1e10 FLOPs (2·m·k·n).
+
+    `square`: torch.mm of n x n by n x n. `linear`: a transformer MLP's up projection (tokens t, hidden h
+    to 4h) as its step runs it: forward x @ W.T (nt), input gradient dY @ W (nn), weight gradient dY.T @ x
+    (tn), each 8·t·h² FLOPs."""
+    squares = (64, 256, 1024) if quick else (40, 64, 100, 160, 256, 400, 640, 1024, 1600)
+    linears = ((128, 32), (512, 256), (2048, 512)) if quick else (
+        (64, 16), (128, 32), (256, 64), (512, 128), (512, 256), (1024, 384), (2048, 512), (2048, 768))  # fmt: skip
+    out = [("square", "nn", n, n, n) for n in squares]
+    for t, h in linears:
+        out += [("linear", "nt", t, h, 4 * h), ("linear", "nn", t, 4 * h, h), ("linear", "tn", 4 * h, t, h)]
+    return out
+
+
+def _operands(layout: str, m: int, k: int, n: int, dtype: torch.dtype):
+    """Contiguous tensors as the layer holds them; the product is `a @ b` of an (m, k) by a (k, n) view."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(k, m, generator=g).to(dtype).t() if layout == "tn" else torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, k, generator=g).to(dtype).t() if layout == "nt" else torch.randn(k, n, generator=g).to(dtype)
+    return a, b
+
+
+def matmul_times(shapes, dtypes=DTYPES, *, target: float = 0.02, batches: int = 5, max_call: float = 0.3) -> list:
+    """Seconds per matrix product, as `(dtype, family, layout, m, k, n, seconds)` rows.
+
+    Each product is `torch.mm(a, b)` on operands laid out as the layer holds them (`matmul_shapes`), timed by
+    `timed`. Within a dtype, family and layout, shapes go smallest first; once one call takes more than
+    `max_call` seconds the larger ones are skipped (CPU bf16 products run ~10-60x slower than fp32)."""
+    _pin()
+    rows, slow = [], set()
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        for family, layout, m, k, n in sorted(shapes, key=lambda s: s[2] * s[3] * s[4]):
+            if (name, family, layout) in slow:
+                continue
+            a, b = _operands(layout, m, k, n, dtype)
+            t = timed(lambda a=a, b=b: torch.mm(a, b), target=target, batches=batches, max_call=max_call)
+            if t is None:
+                slow.add((name, family, layout))
+                continue
+            rows.append((name, family, layout, m, k, n, t))
+    return rows
+
+
+MEMORY_OPS = ("copy", "add_out", "add", "mul", "scale")
+
+
+def memory_times(numel: int = 1 << 25, *, batches: int = 5) -> dict[str, tuple[float, int]]:
+    """`{op: (seconds per call, bytes it reads and writes)}` of elementwise ops on fp32 tensors of `numel`
+    elements (128 MiB at the default: four times the L3 cache of this machine, so each op streams from
+    memory). `copy`: out.copy_(a); `add_out`: torch.add(a, b, out=out); `add`, `mul`: a + b, a * b as a
+    model computes them (a new tensor each call, from the allocator); `scale`: a * 2.0 (new tensor).
+    One warm-up call each, then the median of `batches` single calls (`timed` with a zero target)."""
+    _pin()
+    a, b, out = torch.rand(numel), torch.rand(numel), torch.empty(numel)
+    size = numel * 4
+    ops = {
+        "copy": (lambda: out.copy_(a), 2 * size),
+        "add_out": (lambda: torch.add(a, b, out=out), 3 * size),
+        "add": (lambda: a + b, 3 * size),
+        "mul": (lambda: a * b, 3 * size),
+        "scale": (lambda: a * 2.0, 2 * size),
+    }
+    return {name: (timed(fn, target=0.0, batches=batches), nbytes) for name, (fn, nbytes) in ops.items()}
+
+
+def host_times(*, chain: int = 200, target: float = 0.02, batches: int = 5) -> dict[str, float]:
+    """Seconds of host time per op, on tensors of 8 elements (the arithmetic is a few nanoseconds):
+
+    - `op`: `x + y` without autograd (Python, the dispatcher, the allocator);
+    - `op_grad`: `x * y` with `x` requiring grad, as a training forward runs (autograd records a node);
+    - `matmul`: torch.mm of 2 x 4 by 4 x 2 (a product's own dispatch, without autograd);
+    - `backward_op`: per op of a chain of `chain` multiplications, what backward() costs: (time of
+      forward + backward - time of the forward alone) / `chain`.
+    Each by `timed`."""
+    _pin()
+    x, y = torch.rand(8), torch.rand(8)
+    xg = torch.rand(8, requires_grad=True)
+    a, b = torch.rand(2, 4), torch.rand(4, 2)
+    out = {"op": timed(lambda: x + y, target=target, batches=batches),
+           "matmul": timed(lambda: torch.mm(a, b), target=target, batches=batches)}  # fmt: skip
+    with torch.enable_grad():
+        out["op_grad"] = timed(lambda: xg * y, target=target, batches=batches)
+        forward = timed(lambda: _chain(xg, y, chain), target=target, batches=batches)
+        both = timed(lambda: _chain(xg, y, chain).sum().backward(), target=target, batches=batches)
+    out["backward_op"] = max(0.0, both - forward) / chain
+    return out
+
+
+def _chain(x: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = x * y
+    return x
+
+
+def busy_compute(alone: bool, *, m: int = 512, k: int = 512, n: int = 2048, reps: int = 10,
+                 numel: int = 1 << 24) -> dict | None:  # fmt: skip
+    """Every rank of the pool computes at once (or rank 0 `alone`, while the others return at once and wait,
+    idle, for their next job). After a barrier, each runs `reps` products x @ W.T of (m, k) by (n, k) in fp32
+    (the `linear` forward: 2·m·k·n FLOPs each), then `reps` fresh `a + b` of `numel` fp32 elements (64 MiB
+    each at the default); returns this rank's seconds for each, and the FLOPs and bytes they are. The caller
+    compares the slowest rank (the one a synchronous step waits for) with one rank alone. One warm-up call
+    of each before the barrier."""
+    if alone and dist.get_rank() > 0:
+        return None
+    _pin()
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    a, b = torch.rand(numel), torch.rand(numel)
+    torch.mm(x, w.t())
+    a + b
+    if not alone:
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(x, w.t())
+    matmul = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(reps):
+        a + b
+    memory = time.perf_counter() - start
+    return {"matmul": matmul, "matmul_flops": 2.0 * m * k * n * reps, "memory": memory,
+            "memory_bytes": 3.0 * numel * 4 * reps}  # fmt: skip

@@ -1,0 +1,159 @@
+"""From raw measurements (`measure.measure`) to a `DeviceProfile`: one set of constants for this host's ranks.
+
+Each figure is read off its own micro-benchmark, never off a training configuration:
+
+- **matrix products**: per dtype, the time of a product of f FLOPs less the host's dispatch of one
+  (`host["matmul"]`) is fitted as `(f + half) / rate` (weighted least squares on relative error: the
+  saturating curve `f / (f + half)` of `DeviceProfile.matmul_fraction`); `matmul_efficiency` is float32's
+  `rate` over the best float32 throughput any product reached, `matmul_half` float32's `half`, and each
+  dtype's `flops` its `rate / matmul_efficiency`, so that a large product of every dtype runs at its own rate;
+- **memory**: `memory_bandwidth` is the best streaming rate (copy or add into a kept tensor),
+  `memory_efficiency` what elementwise ops reach as a model runs them (fresh tensors), the median of add,
+  mul and scale, over that;
+- **host**: `host_per_op` is the mean of a tiny op's forward under autograd and its share of backward;
+- **cores**: the whole number c for which `min(1, c / N)`, the time model's share of a core, is closest to
+  one rank's speed alone over the slowest rank's when N compute at once;
+- **the link**: `steps * alpha + bus / (bandwidth * efficiency[kind])`, `meshlib.predict.comm_time`'s
+  formula, fitted to every collective at once (alpha shared, one bandwidth per kind, least squares on
+  relative error), each time multiplied by `max(1, N / cores) ** comm_oversubscription` for N ranks on the
+  host; that exponent is chosen on a grid (0 to 2 by 0.05) for the smallest error.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+
+from meshlib.devices import DeviceProfile, Link
+
+__all__ = ["comm_terms", "fit_cores", "fit_link", "fit_matmul", "fit_profile", "saturating"]
+
+_GAMMAS = tuple(round(0.05 * i, 2) for i in range(41))
+
+
+def _lstsq(rows, target) -> np.ndarray:
+    """Least squares on relative error: each row and its target divided by the target."""
+    a, t = np.asarray(rows, dtype=float), np.asarray(target, dtype=float)
+    return np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)[0]
+
+
+def saturating(points) -> tuple[float, float]:
+    """(rate, half) of `seconds = (flops + half) / rate` fitted to `(flops, seconds)` points (half >= 0)."""
+    inv_rate, lag = _lstsq([(f, 1.0) for f, _ in points], [t for _, t in points])
+    if lag < 0:  # no fixed cost to be seen: a straight rate
+        inv_rate, lag = _lstsq([(f,) for f, _ in points], [t for _, t in points])[0], 0.0
+    return float(1.0 / inv_rate), float(lag / inv_rate)
+
+
+def fit_matmul(rows, host: float) -> dict[str, dict]:
+    """Per dtype: `rate` and `half` of `saturating`, `best` (the highest FLOP/s a product reached), and
+    per row the fitted time over the measured, `(family, layout, flops, measured s, fitted s)`."""
+    out = {}
+    for dtype in dict.fromkeys(r[0] for r in rows):
+        mine = [(2.0 * m * k * n, t, family, layout) for d, family, layout, m, k, n, t in rows if d == dtype]
+        device = [(f, max(t - host, t * 0.05)) for f, t, _, _ in mine]
+        rate, half = saturating(device)
+        fitted = [(fam, lay, f, t, host + (f + half) / rate) for f, t, fam, lay in mine]
+        out[dtype] = {"rate": rate, "half": half, "best": max(f / t for f, t in device), "points": fitted}
+    return out
+
+
+def fit_cores(busy: dict, cores_max: int) -> tuple[int, dict[int, float]]:
+    """(cores, {N: one rank's speed alone over the slowest rank's with N at once}) for the products."""
+    alone = busy["1"]["matmul"]
+    speed = {int(n): alone / b["matmul"] for n, b in busy.items()}
+    error = lambda c: sum(math.log(s / min(1.0, c / n)) ** 2 for n, s in speed.items())  # noqa: E731
+    return min(range(1, max(cores_max, 1) + 1), key=error), speed
+
+
+def comm_terms(kind: str, n: int, nbytes: float) -> tuple[float, float]:
+    """(algorithm steps, bus bytes) of one collective, as `meshlib.predict.comm_time` counts them."""
+    if kind == "all_reduce":
+        return min(2 * (n - 1), 2 * math.ceil(math.log2(n))), 2 * (n - 1) / n * nbytes
+    if kind == "send_recv":
+        return 1, nbytes
+    return n - 1, (n - 1) / n * nbytes
+
+
+def fit_link(points, cores: int) -> dict:
+    """`alpha`, `bandwidth` per kind and `gamma` (the oversubscription exponent) fitted to
+    `(kind, n, bytes, seconds)` points (see the module docstring), and each point's fitted time."""
+    kinds = tuple(dict.fromkeys(p[0] for p in points))
+    oversubscribed = any(n > cores for _, n, _, _ in points)
+    best = None
+    for gamma in _GAMMAS if oversubscribed else (0.0,):
+        fit = _link_at(points, kinds, cores, gamma)
+        if best is None or fit["error"] < best["error"]:
+            best = fit
+    return best
+
+
+def _link_at(points, kinds, cores: int, gamma: float) -> dict:
+    rows, target = [], []
+    for kind, n, nbytes, t in points:
+        slow = max(1.0, n / cores) ** gamma
+        steps, bus = comm_terms(kind, n, nbytes)
+        rows.append([slow * steps] + [slow * bus * (k == kind) for k in kinds])
+        target.append(t)
+    x = [float(v) for v in _lstsq(rows, target)]
+    if x[0] < 0:  # latency below what the data can resolve: none
+        x = [0.0, *(float(v) for v in _lstsq([r[1:] for r in rows], target))]
+    if min(x[1:]) <= 0:
+        raise ValueError(f"collective fit: a kind's time does not grow with its bytes ({dict(zip(kinds, x[1:]))})")
+    fitted = np.asarray(rows) @ x
+    error = float(np.sum(np.log(fitted / np.asarray(target)) ** 2))
+    bandwidth = {k: 1.0 / v for k, v in zip(kinds, x[1:])}
+    return {"alpha": float(x[0]), "bandwidth": bandwidth, "gamma": gamma, "error": error,
+            "points": [(*p, float(f)) for p, f in zip(points, fitted)]}  # fmt: skip
+
+
+def fit_memory(memory: dict) -> tuple[float, float]:
+    """(memory_bandwidth, memory_efficiency) from `{op: (seconds, bytes)}`."""
+    rate = {op: nbytes / t for op, (t, nbytes) in memory.items()}
+    peak = max(rate[op] for op in ("copy", "add_out"))
+    return peak, min(1.0, statistics.median(rate[op] for op in ("add", "mul", "scale")) / peak)
+
+
+def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
+    """The profile of measurements `m`, and every fit (for the report and the sidecar)."""
+    host = m["host"]
+    mm = fit_matmul(m["matmul"], host["matmul"])
+    efficiency = min(1.0, mm["float32"]["rate"] / mm["float32"]["best"])
+    cores, speed = fit_cores(m["busy"], m["machine"]["cores"])
+    comm = fit_link([tuple(p) for p in m["collectives"]], cores)
+    top = max(comm["bandwidth"].values())
+    link = Link("loopback", alpha=comm["alpha"], bandwidth=top,
+                efficiency=tuple((k, b / top) for k, b in comm["bandwidth"].items()))  # fmt: skip
+    bandwidth, mem_eff = fit_memory(m["memory"])
+    extra = {f"matmul_{what}.{d}": f[what] for what in ("rate", "half", "best") for d, f in mm.items()}
+    extra |= {f"host.{k}": v for k, v in host.items()}
+    extra |= {f"speed_per_rank.{n}": s for n, s in speed.items()}
+    extra |= {"other_cpu": m["machine"].get("other_cpu", -1.0)}
+    profile = DeviceProfile(
+        name=name, flops=tuple((d, f["rate"] / efficiency) for d, f in mm.items()), matmul_efficiency=efficiency,
+        matmul_half=mm["float32"]["half"], memory=_memory_bytes(), memory_bandwidth=bandwidth,
+        memory_efficiency=mem_eff, devices_per_node=max(m["ranks"]), links=(link,),
+        host_per_op=(host["op_grad"] + host["backward_op"]) / 2, host_overlaps=False, cores=cores,
+        comm_oversubscription=comm["gamma"], source=_source(m), extra=tuple(extra.items()),
+    )  # fmt: skip
+    return profile, {"matmul": mm, "cores": cores, "speed": speed, "link": comm}
+
+
+def _memory_bytes() -> int:
+    """Physical memory of the host (/proc/meminfo; 1 GiB where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 1 << 30
+
+
+def _source(m: dict) -> str:
+    host = m["machine"]
+    return (
+        f"meshlib calibrate{' --quick' if m['quick'] else ''} --ranks {','.join(map(str, m['ranks']))} on "
+        f"{host['cpu']} ({host['cores']} cores), torch {host['torch']}; other processes took "
+        f"{max(0.0, host.get('other_cpu', 0.0)):.0%} of the busy CPU"
+    )

@@ -1,0 +1,132 @@
+"""Run every micro-benchmark on real gloo ranks and collect the raw measurements, as plain JSON data.
+
+The order, written once (`measure`): on the smallest pool, rank 0 alone (the others idle) measures the
+matrix products, the elementwise ops, the host's time per op and the reference job of `busy_compute`;
+then, for each world size asked for, every rank runs the reference job at once, and the collectives.
+The pools are `meshlib_torch.testing.pool`'s: workers forked from a forkserver that has imported torch,
+one torch thread each, one gloo group per pool.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from ..testing.pool import get_pool
+from . import collectives, compute
+
+__all__ = ["measure", "on_rank0"]
+
+_TIMEOUT = 3600.0  # seconds one job may take (the full matrix-product sweep takes about a minute)
+
+
+def on_rank0(fn, /, *args, **kwargs):
+    """`fn(*args, **kwargs)` on rank 0 only: the other ranks of the pool return None at once and idle."""
+    return fn(*args, **kwargs) if torch.distributed.get_rank() == 0 else None
+
+
+def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> dict:
+    """Every benchmark's raw results (see the module docstring), with the machine and its load."""
+    say = progress or (lambda text: None)
+    target, batches = (0.01, 3) if quick else (0.02, 5)
+    before, started = _cpu_mark(), time.perf_counter()
+    first = get_pool(min(ranks))
+    say(f"matrix products on one rank ({'quick' if quick else 'full'} sweep)")
+    shapes = compute.matmul_shapes(quick)
+    out: dict = {"ranks": list(ranks), "quick": quick, "machine": machine()}
+    out["matmul"] = _rank0(first, compute.matmul_times, shapes, target=target, batches=batches,
+                           max_call=0.15 if quick else 0.3)  # fmt: skip
+    say("elementwise ops and host time per op on one rank")
+    out["memory"] = _rank0(first, compute.memory_times, 1 << 24 if quick else 1 << 25, batches=batches)
+    out["host"] = _rank0(first, compute.host_times, target=target, batches=batches)
+    reps = 5 if quick else 20
+    out["busy"] = {"1": _busy(first, True, reps)}
+    out["collectives"] = []
+    sizes = collectives.message_sizes(quick)
+    for n in sorted(ranks):
+        pool = get_pool(n)
+        say(f"{n} ranks computing at once; collectives over {n} ranks")
+        out["busy"][str(n)] = _busy(pool, False, reps)
+        rows = pool.run(collectives.collective_times, sizes, target=target, batches=batches, timeout=_TIMEOUT)
+        out["collectives"] += _slowest(rows, n)
+    out["seconds"] = time.perf_counter() - started
+    out["machine"]["other_cpu"] = _others_share(before)
+    return out
+
+
+def _rank0(pool, fn, *args, **kwargs):
+    return pool.run(on_rank0, fn, *args, timeout=_TIMEOUT, **kwargs)[0]
+
+
+def _busy(pool, alone: bool, reps: int) -> dict:
+    """The reference job's slowest rank: seconds of products and of elementwise ops, and the work they are."""
+    results = [r for r in pool.run(compute.busy_compute, alone, reps=reps, timeout=_TIMEOUT) if r is not None]
+    return {k: max(r[k] for r in results) for k in results[0]}
+
+
+def _slowest(rows_per_rank: list, n: int) -> list:
+    """`[kind, n, bytes, seconds]`: per batch the slowest rank's mean, then the median over batches."""
+    out = []
+    for i, (kind, nbytes, _) in enumerate(rows_per_rank[0]):
+        batches = zip(*(rows[i][2] for rows in rows_per_rank))
+        out.append([kind, n, nbytes, statistics.median(max(b) for b in batches)])
+    return out
+
+
+def machine() -> dict:
+    """The CPU, its cores, torch and Python: what a profile was measured on."""
+    names = []
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    return {"cpu": names[0] if names else platform.processor(), "cores": os.cpu_count() or 1,
+            "torch": torch.__version__, "python": platform.python_version(),
+            "system": f"{platform.system()} {platform.release()}", "load": list(os.getloadavg())}  # fmt: skip
+
+
+def _busy_ticks() -> int:
+    """Busy CPU time of the whole machine so far, in clock ticks (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4]
+
+
+def _our_ticks() -> dict[int, int]:
+    """User + system ticks of this process and every process below it (the forkserver, the ranks)."""
+    parents, ticks = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)] = int(fields[1])
+            ticks[int(entry)] = int(fields[11]) + int(fields[12])  # ppid, utime, stime: fields 4, 14, 15
+    ours, grew = {os.getpid()}, True
+    while grew:
+        below = {pid for pid, parent in parents.items() if parent in ours} - ours
+        ours |= below
+        grew = bool(below)
+    return {pid: ticks[pid] for pid in ours if pid in ticks}
+
+
+def _cpu_mark() -> tuple[int, dict[int, int]] | None:
+    try:
+        return _busy_ticks(), _our_ticks()
+    except OSError:  # no /proc: not Linux
+        return None
+
+
+def _others_share(before) -> float:
+    """The fraction of the machine's busy CPU time, while calibrating, that was not this process's or its
+    children's (other users' jobs make every figure slower); -1 where /proc cannot say."""
+    after = _cpu_mark()
+    if before is None or after is None or after[0] <= before[0]:
+        return -1.0
+    ours = sum(t - before[1].get(pid, 0) for pid, t in after[1].items())
+    return round(max(0.0, 1.0 - ours / (after[0] - before[0])), 3)

@@ -1,0 +1,115 @@
+"""What `meshlib calibrate` prints: the fitted profile, then each benchmark's measured figures beside the
+time the profile gives for them (fitted / measured: 1.00 is exact)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+from meshlib._table import Table, human_bytes
+
+__all__ = ["tables"]
+
+
+def tables(cal) -> list[Table]:
+    """The profile, matrix products, memory and host, shared cores, collectives."""
+    return [_profile(cal), _matmul(cal), _memory_host(cal), _cores(cal), _collectives(cal)]
+
+
+def _g(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def _ratios(pairs) -> str:
+    """Fitted / measured over some points: median (min - max)."""
+    r = [f / t for t, f in pairs]
+    return f"{statistics.median(r):.2f} ({min(r):.2f} - {max(r):.2f})"
+
+
+def _profile(cal) -> Table:
+    p, link = cal.profile, cal.profile.intra
+    rows = [(f"flops[{d}]", f"{f / 1e9:.2f} GFLOP/s", "large products' rate / matmul_efficiency") for d, f in p.flops]
+    rows += [
+        ("matmul_efficiency", f"{p.matmul_efficiency:.3f}", "float32 asymptote / best float32 product"),
+        ("matmul_half", f"{p.matmul_half:.3g} FLOPs", "float32 product reaching half the asymptote"),
+        ("memory_bandwidth", f"{p.memory_bandwidth / 1e9:.2f} GB/s", "streaming copy / add into a kept tensor"),
+        ("memory_efficiency", f"{p.memory_efficiency:.3f}", "fresh-tensor add, mul, scale (median) / that"),
+        ("host_per_op", f"{p.host_per_op * 1e6:.2f} us", "tiny op: forward under autograd and backward, mean"),
+        ("host_overlaps", str(p.host_overlaps), "CPU ranks compute on the host"),
+        ("cores", str(p.cores), "min(1, cores/N) closest to the measured speed per rank"),
+        ("comm_oversubscription", f"{p.comm_oversubscription:.2f}", "collectives x (N/cores)^this for N > cores"),
+        (f"link {link.name}: alpha", f"{link.alpha * 1e6:.1f} us", "per algorithm step"),
+        (f"link {link.name}: bandwidth", f"{link.bandwidth / 1e9:.3f} GB/s", "the fastest kind's bus bandwidth"),
+    ]
+    rows += [(f"  efficiency[{k}]", f"{v:.3f}", "its bus bandwidth / that") for k, v in link.efficiency]
+    return Table("device profile (DeviceProfile)", ("field", "value", "how"), rows, p.source)
+
+
+_MATMUL_COLUMNS = ("dtype", "shape, layout", "sizes", "smallest FLOPs: GFLOP/s", "largest FLOPs: GFLOP/s",
+                   "fitted/measured median (range)")  # fmt: skip
+
+
+def _matmul(cal) -> Table:
+    rows = []
+    for dtype, fit in cal.fits["matmul"].items():
+        groups = defaultdict(list)
+        for family, layout, f, t, fitted in fit["points"]:
+            groups[(family, layout)].append((f, t, fitted))
+        for (family, layout), pts in groups.items():
+            pts.sort()
+            (f0, t0, _), (f1, t1, _) = pts[0], pts[-1]
+            rows.append((dtype, f"{family} {layout}", len(pts), f"{f0:.1e}: {_g(f0 / t0)}", f"{f1:.1e}: {_g(f1 / t1)}",
+                         _ratios([(t, fitted) for _, t, fitted in pts])))  # fmt: skip
+    fits = "; ".join(f"{d} {f['rate'] / 1e9:.1f} GFLOP/s, half {f['half']:.2g}" for d, f in cal.fits["matmul"].items())
+    return Table(
+        "matrix products on one rank (one thread): GFLOP/s at the smallest and largest size",
+        _MATMUL_COLUMNS,
+        rows,
+        f"fitted (f + half) / rate: {fits}. nn: a @ b; nt: x @ W.T (F.linear); tn: dY.T @ x (weight gradient)",
+    )
+
+
+def _memory_host(cal) -> Table:
+    m = cal.measurements
+    rows = [(f"elementwise {op}", f"{nbytes / t / 1e9:.2f} GB/s", human_bytes(nbytes)) for op, (t, nbytes) in
+            m["memory"].items()]  # fmt: skip
+    what = {"op": "tiny x + y, no autograd", "matmul": "tiny torch.mm, no autograd",
+            "op_grad": "tiny x * y under autograd", "backward_op": "backward, per op of a chain"}  # fmt: skip
+    rows += [(f"host: {what.get(k, k)}", f"{v * 1e6:.2f} us", "") for k, v in m["host"].items()]
+    return Table("memory and host time, one rank", ("benchmark", "measured", "bytes moved per call"), rows)
+
+
+def _cores(cal) -> Table:
+    busy, cores = cal.measurements["busy"], cal.profile.cores
+    alone = busy["1"]
+    rows = []
+    for n, b in sorted(busy.items(), key=lambda kv: int(kv[0])):
+        k = int(n)
+        rows.append((k, f"{alone['matmul'] / b['matmul']:.3f}", f"{min(1.0, cores / k):.3f}",
+                     f"{alone['memory'] / b['memory']:.3f}", f"{k * alone['matmul'] / b['matmul']:.2f}"))  # fmt: skip
+    return Table(
+        "N ranks computing at once: each one's speed against one rank alone (the slowest rank)",
+        ("N", "products: measured", f"model min(1, {cores}/N)", "fresh a + b: measured", "products: total x one"),
+        rows,
+        "products: fp32 x @ W.T of 512x512 by 2048x512; fresh a + b of 64 MiB",
+    )
+
+
+def _collectives(cal) -> Table:
+    link = cal.fits["link"]
+    groups = defaultdict(list)
+    for kind, n, nbytes, t, fitted in link["points"]:
+        groups[(kind, n)].append((nbytes, t, fitted))
+    rows = []
+    for (kind, n), pts in sorted(groups.items()):
+        pts.sort()
+        (b0, t0, _), (b1, t1, _) = pts[0], pts[-1]
+        rows.append((kind, n, f"{human_bytes(b0)}: {t0 * 1e3:.3f} ms", f"{human_bytes(b1)}: {t1 * 1e3:.1f} ms",
+                     f"{b1 / t1 / 1e9:.3f}", _ratios([(t, f) for _, t, f in pts])))  # fmt: skip
+    return Table(
+        "collectives (gloo, this host): time per call, the slowest rank",
+        ("kind", "ranks", "smallest", "largest", "payload GB/s (largest)", "fitted/measured median (range)"),
+        rows,
+        f"fitted: steps x {link['alpha'] * 1e6:.1f} us + bus bytes / bandwidth[kind], x (N/cores)^{link['gamma']:.2f} "
+        "for N > cores; payload as a plan counts it (all-gather: the gathered result)",
+    )
