@@ -10,6 +10,7 @@ from .devices import A100, H100, DeviceProfile, Link, device_profile
 from .mesh import CANONICAL_AXES, Mesh
 from .options import Parallelism, Pipelining, Running
 from .plan import Boundary, Collective, Kept, Memory, Plan, Precision, Stage
+from .planned import predict_plan, workload_of
 from .predict import Prediction, predict
 from .rules import LogicalRules, PatternRules, Rule, apply_rules, compose, dims, logical_rules, pattern_rules
 from .schedules import (
@@ -35,7 +36,7 @@ from .tree import (
     unflatten_dotted,
 )
 from .visualize import Layout, layout
-from .workload import Comm, Compute, StageWork, Workload
+from .workload import Comm, Compute, StageCompute, StageWork, Workload
 
 PartitionSpec = P
 
@@ -75,6 +76,7 @@ __all__ = [
     "ShapeDtype",
     "Simulation",
     "Stage",
+    "StageCompute",
     "StageWork",
     "UNCONSTRAINED",
     "UNEVEN_POLICIES",
@@ -98,12 +100,14 @@ __all__ = [
     "one_f_one_b",
     "pattern_rules",
     "predict",
+    "predict_plan",
     "schedule",
     "simulate",
     "tp_comm_bytes",
     "tree_shardings",
     "unflatten_dotted",
     "validate_schedule",
+    "workload_of",
     "zb_h1",
     "zbv",
     "zero_level",

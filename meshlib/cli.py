@@ -325,6 +325,11 @@ def parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--all", action="store_true", help="list every collective instead of grouping them")
     plan.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON to this file")
+    plan.add_argument(
+        "--profile", default=None, metavar="a100|h100|cpu|FILE.json",
+        help="predict the step on these devices: time, tokens/s, MFU, and the shares of compute, exposed "
+        "communication and bubble (cpu: this machine's calibrated gloo ranks, `meshlib calibrate`)",
+    )  # fmt: skip
     run = sub.add_parser(
         "run", help="train on several processes and compare with the single-process reference",
         formatter_class=_Formatter, usage="%(prog)s [options]",

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 from ._table import Table, human_bytes
 from .mesh import Mesh
+from .predict import Prediction
 from .spec import P
+from .workload import StageCompute
 
 __all__ = ["Plan", "Collective", "Stage", "Boundary", "Precision", "Memory", "Kept", "COLLECTIVE_KINDS"]
 
@@ -195,6 +197,11 @@ class Plan:
     # with a pipeline, the memory of the ranks at each pp coordinate (`memory` is the most loaded's)
     stage_memory: tuple[Memory, ...] = ()
     kept: tuple[Kept, ...] = ()  # per layer, what it keeps for backward per microbatch (the dry run's)
+    # per pp coordinate (one without a pipeline), what its ranks compute per microbatch (the dry run's count)
+    compute: tuple[StageCompute, ...] = ()
+    model_flops: float = 0.0  # the model's forward and backward FLOPs in a step, all ranks together (for MFU)
+    tokens: int = 0  # tokens in a step's global batch
+    prediction: Prediction | None = None  # the step on some devices (`meshlib.predict_plan`), once asked for
 
     def __post_init__(self):
         _set = object.__setattr__
@@ -204,7 +211,7 @@ class Plan:
             _set(self, "notes", tuple(self.notes.items()))
         if isinstance(self.placements, Mapping):
             _set(self, "placements", tuple((k, tuple(v)) for k, v in self.placements.items()))
-        for name in ("collectives", "stages", "kept"):
+        for name in ("collectives", "stages", "kept", "compute"):
             _set(self, name, tuple(getattr(self, name)))
         for path, spec in self.specs:
             if not isinstance(spec, P):
@@ -309,7 +316,19 @@ class Plan:
         if self.memory is not None:
             out.append(self.memory_table())
         out += self.kept_tables()
+        if self.prediction is not None:
+            out.append(self.prediction_table())
         return out
+
+    def prediction_table(self) -> Table:
+        """The predicted step: its time, throughput, MFU, and the shares of compute, exposed communication,
+        the pipeline's bubble and the optimizer."""
+        p = self.prediction
+        rows = [("step time", f"{p.step_time:.4g} s"), ("tokens/s", f"{p.tokens_per_s:,.0f}"), ("MFU", f"{p.mfu:.1%}")]
+        rows += [(f"{name} share", f"{share:.1%}") for name, share in p.shares.items()]
+        rows += [("peak memory per rank", human_bytes(p.memory)), ("bytes moved per rank", human_bytes(p.comm_bytes))]
+        caption = f"on {p.devices} {p.profile} devices (meshlib.predict: compute, alpha-beta links, overlap, bubble)"
+        return Table("predicted step", ("what", "value"), rows, caption)
 
     def kept_tables(self) -> list[Table]:
         """What each layer keeps for backward per microbatch (runs of equal layers together), and what one

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from .mesh import Mesh
 
-__all__ = ["OVERLAPS", "Comm", "Compute", "StageWork", "Workload"]
+__all__ = ["OVERLAPS", "Comm", "Compute", "StageCompute", "StageWork", "Workload"]
 
 # what a collective can run behind: nothing (it waits for its input and its output is needed at once), the
 # backward of the last microbatch (gradient reductions, bucketed as backward frees them), the forward
@@ -74,6 +74,19 @@ class Compute:
         """`k` times the work (k a whole number of repeats for the op counts)."""
         return Compute(tuple((f, b, round(n * k)) for f, b, n in self.matmuls), self.flops * k, self.bytes * k,
                        round(self.ops * k))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StageCompute:
+    """What the ranks at one pipeline coordinate compute, as a plan's dry run counts it: per microbatch, the
+    forward, backward and recompute passes of their stages (`weight`: the part of backward a zero-bubble
+    schedule runs apart), and per step the optimizer's update."""
+
+    forward: Compute = field(default_factory=Compute)
+    backward: Compute = field(default_factory=Compute)
+    recompute: Compute = field(default_factory=Compute)
+    weight: Compute | None = None
+    optimizer: Compute = field(default_factory=Compute)
 
 
 @dataclass(frozen=True, slots=True)

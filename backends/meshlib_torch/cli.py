@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from meshlib import Mesh, Plan
+from meshlib import Mesh, Plan, device_profile, predict_plan
 from meshlib._table import Table, human_bytes, show
 from meshlib.cli import check_launch, fail, parser
 from meshlib.cost import zero_level
@@ -117,8 +117,11 @@ def _compile(args, *, seq: int):
 
 # -- plan ------------------------------------------------------------------------------------
 def plan_main(args) -> Plan:
+    profile = device_profile(args.profile) if args.profile else None  # a bad name fails before compiling
     compiled, notes = _compile(args, seq=_seq(args))
     plan = compiled.plan.replace(notes=compiled.plan.notes + notes)
+    if profile is not None:
+        plan = plan.replace(prediction=predict_plan(plan, profile))
     tables = _plan_tables(plan, grouped=not args.all)
     tables[1] = param_table(compiled, grouped=not args.all)
     show(*tables)

@@ -76,6 +76,7 @@ def compile_model(
         compiled = dataclasses.replace(compiled, plan=plan)
     _check_axes_used(compiled, pipe.pp_axis, par.idle_axes)
     _check_fsdp_axes(compiled)
+    compiled = dataclasses.replace(compiled, plan=_with_work(compiled.plan, call, m))
     if m > 1 and expert_modules(model):
         note = (
             "routing statistics, and a load-balancing loss computed from them, are each microbatch's (as "
@@ -85,6 +86,18 @@ def compile_model(
         plan = compiled.plan.replace(notes=(*compiled.plan.notes, ("MoE", note)))
         compiled = dataclasses.replace(compiled, plan=plan)
     return compiled
+
+
+def _with_work(plan, call: Call, m: int):
+    """The plan with its step's tokens (the first input's batch x sequence, or batch) and, where the dry run
+    counted what the ranks compute, the model's FLOPs: each pp coordinate's matrix-product FLOPs forward, three
+    times (forward and backward), over the microbatches and every rank holding that coordinate's share (the
+    other axes split the batch, the sequence, the heads and the experts between them)."""
+    first = next(iter(call.tensors.values()), None)
+    tokens = 0 if first is None or first.dim() == 0 else math.prod(first.shape[:2])
+    ranks = plan.mesh.size // max(1, len(plan.compute))
+    flops = 3 * m * ranks * sum(c.forward.matmul_flops for c in plan.compute)
+    return plan.replace(tokens=int(tokens), model_flops=float(flops))
 
 
 def _check_fsdp_axes(compiled: Compiled) -> None:

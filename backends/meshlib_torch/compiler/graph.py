@@ -66,13 +66,14 @@ def compile_graph(
     estimate_kept = (estimate_memory or estimate_kept) and compiled.layers > 0
     found = _census(compiled, call, estimate_kept)
     compiled = dataclasses.replace(compiled, remat=remat_of(compiled, found) if found is not None else Remat())
-    memory = model_state(compiled)
+    memory, compute = model_state(compiled), ()
     if estimate_memory:
         dry = dry_peak(compiled, model, batch=list(call.tensors.values()))
         memory = dataclasses.replace(memory, activations=dry["step"], peak=dry["peak"])
+        compute = (dry["compute"],)
     kept = kept_layers(compiled, _local_inputs(compiled, call), found) if estimate_kept else ()
     notes = dict(compiled.plan.notes) | remat_notes(compiled)
-    plan = compiled.plan.replace(memory=memory, kept=kept, notes=tuple(notes.items()))
+    plan = compiled.plan.replace(memory=memory, kept=kept, notes=tuple(notes.items()), compute=compute)
     return dataclasses.replace(compiled, plan=plan)
 
 

@@ -13,12 +13,15 @@ around each block as FSDP2 does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch import nn
+
+from meshlib import Compute, StageCompute
 
 from ...memtrack import PeakTracker
 from ...modules.recompute import Recompute, comm_forward, gathers, keeping_shards, kept, note_gathered
@@ -29,7 +32,8 @@ from ..capture.blocks import layer_paths, split_graph
 from ..pipeline.stages import boundary_values, rank_params
 from ..placement.shapes import local_shape
 from ..program import Compiled, buffer_dtype, fsdp_whole, model_state, shard_ranks, zero1_pieces
-from .stepmem import step_extra
+from .opcount import OpCounter
+from .stepmem import optimizer_compute, step_extra
 
 
 class _DryCollective(torch.autograd.Function):
@@ -143,16 +147,20 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
             shards = {id(p): ranks[name] for name, p in params.items()}
             hooks = _fsdp_hooks(gm, layers, tracker, opts.zero, shards, full.itemsize)
         local = [local_input(compiled, name, x) for name, x in zip(compiled.input_names, batch)]
-        with keeping_shards():
-            loss = gm(*local)
-        loss = loss[0] if isinstance(loss, (tuple, list)) else loss
-        forward = tracker.live
-        loss.backward()
+        with OpCounter() as counter:
+            with keeping_shards():
+                loss = gm(*local)
+            loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+            forward = tracker.live
+            loss.backward()
     for h in hooks:
         h.remove()
     update = base + model_state(compiled).grads + step_extra(compiled)  # the optimizer's step
     peak = max(tracker.peak, update)
-    return {"peak": peak, "model_state": base, "step": peak - base, "after_forward": forward}
+    passes = counter.computes()
+    compute = StageCompute(*(passes.get(p, Compute()) for p in ("forward", "backward", "recompute")),
+                           optimizer=optimizer_compute(compiled))  # fmt: skip
+    return {"peak": peak, "model_state": base, "step": peak - base, "after_forward": forward, "compute": compute}
 
 
 def local_input(compiled: Compiled, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -256,6 +264,7 @@ class StageRun:
     after_input: int = 0
     input_peak: int = 0
     weight_peak: int = 0
+    compute: StageCompute = StageCompute()  # what one microbatch computes on this stage, pass by pass
 
 
 def _stage_run(compiled: Compiled, s: int, split: bool = False) -> StageRun:
@@ -272,36 +281,47 @@ def _stage_run(compiled: Compiled, s: int, split: bool = False) -> StageRun:
             if name.startswith("layer_"):
                 setattr(gm, name, Recompute(child, opts.recompute))
     inputs = boundary_values(compiled, stages.inputs[s], "meta", stages.layouts)
-    tracker = PeakTracker()
-    with tracker:
-        tracker.ignore(params)
-        tracker.baseline([*inputs, *gm.buffers()])
-        base = tracker.live
-        with keeping_shards():
-            out = gm(*inputs)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        outs = [t for t in outs if torch.is_tensor(t) and t.requires_grad]
-        kept, forward = tracker.live - base, tracker.peak - base
-        if not outs:
-            return StageRun(kept, forward, forward)
-        needs = [x for x in inputs if x.requires_grad]
-        if not split or not needs:  # the first stage's I does nothing: its W is the whole backward
-            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            step = tracker.peak - base
-            return StageRun(kept, forward, step, kept, kept, step) if split else StageRun(kept, forward, step)
-        grads = [torch.ones_like(t) for t in outs]
-        _, groups = stage_backward_input(outs, grads, needs, iter(params))
-        del grads, outs, out
-        after, input_peak = tracker.live - base, tracker.peak - base
-        tracker.reset_peak()
-        stage_backward_weight(iter(params), groups)
-        for p in params:
-            p.grad = None  # in the model state already (see above): stage_backward_weight sets it directly
-        weight_peak = tracker.peak - base
+    tracker, counter = PeakTracker(), OpCounter()
+    with tracker, counter:
+        run = _stage_pass(gm, params, inputs, tracker, counter, split)
+    passes = counter.computes()
+    compute = StageCompute(*(passes.get(p, Compute()) for p in ("forward", "backward", "recompute")),
+                           weight=passes.get("weight") if split else None)  # fmt: skip
+    return dataclasses.replace(run, compute=compute)
+
+
+def _stage_pass(gm, params, inputs, tracker: PeakTracker, counter: OpCounter, split: bool) -> StageRun:
+    tracker.ignore(params)
+    tracker.baseline([*inputs, *gm.buffers()])
+    base = tracker.live
+    with keeping_shards():
+        out = gm(*inputs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    outs = [t for t in outs if torch.is_tensor(t) and t.requires_grad]
+    kept, forward = tracker.live - base, tracker.peak - base
+    if not outs:
+        return StageRun(kept, forward, forward)
+    needs = [x for x in inputs if x.requires_grad]
+    if not split or not needs:  # the first stage's I does nothing: its W is the whole backward
+        if split:
+            counter.phase = "weight"
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        step = tracker.peak - base
+        return StageRun(kept, forward, step, kept, kept, step) if split else StageRun(kept, forward, step)
+    grads = [torch.ones_like(t) for t in outs]
+    _, groups = stage_backward_input(outs, grads, needs, iter(params))
+    del grads, outs, out
+    after, input_peak = tracker.live - base, tracker.peak - base
+    tracker.reset_peak()
+    counter.phase = "weight"
+    stage_backward_weight(iter(params), groups)
+    for p in params:
+        p.grad = None  # in the model state already (see above): stage_backward_weight sets it directly
+    weight_peak = tracker.peak - base
     return StageRun(kept, forward, input_peak, after, input_peak, weight_peak)
 
 
-def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) -> list[int]:
+def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) -> tuple[list[int], list[StageCompute]]:
     """Each pp rank's peak bytes in a step: what it holds throughout (`state`: parameters and
     optimizer state), its stages' parameters in the compute dtype where ZeRO-2/3 keeps them gathered
     through the step, the activations its schedule keeps in flight, and the weight gradients from a
@@ -311,7 +331,7 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
     backward turns them into its weight gradients as it goes); a zero-bubble schedule's input-gradient
     action keeps them, with the gradients saved for the weight action, which frees them. The peak is
     the most in flight plus the transient of the action running then (`_stage_run`), and the buffers
-    the stages receive into (`_receive_buffers`)."""
+    the stages receive into (`_receive_buffers`). Also, per stage, what one microbatch computes there."""
     split = any(a.kind == "I" for actions in core.actions for a in actions)
     runs = [_stage_run(compiled, s, split) for s in range(len(compiled.stages.graphs))]
     recv = _receive_buffers(compiled.stages, core)
@@ -342,7 +362,7 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
                 live += new - held
         update = sum(grads[s] for s, rank in enumerate(core.placement) if rank == r) + step_extra(compiled, names)
         out.append(state[r] + recv[r] + max(gathered + top, update))
-    return out
+    return out, [run.compute for run in runs]
 
 
 def _receive_buffers(stages, core) -> list[int]:

@@ -13,16 +13,46 @@ largest moment of the update.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
+from meshlib import Compute
+
 from ...memtrack import PeakTracker
 from ..program import Compiled, shard_ranks, zero1_pieces
+from .opcount import OpCounter
 
 
 def step_extra(compiled: Compiled, names=None) -> int:
     """Bytes above the model state (parameters, gradients, optimizer state) at the peak of the optimizer
     step of a rank holding the parameters `names` (all by default)."""
+    sizes, copies, largest = _masters(compiled, names)
+    full = next(iter(compiled.traced.params.values())).dtype
+    return copies + max(largest, _update_peak(sizes, full))
+
+
+def optimizer_compute(compiled: Compiled, names=None) -> Compute:
+    """What the update computes on a rank holding the parameters `names` (all by default): torch's AdamW, one
+    tensor at a time, run on meta tensors of each master's size and counted op by op (`opcount.OpCounter`)."""
+    sizes = Counter(_masters(compiled, names)[0])
+    full = next(iter(compiled.traced.params.values())).dtype
+    out = Compute()
+    for n, k in sizes.items():
+        p = torch.nn.Parameter(torch.empty(n, dtype=full, device="meta"))
+        p.grad = torch.empty_like(p)
+        opt = torch.optim.AdamW([p], foreach=False)
+        opt.step()  # makes the state
+        counter = OpCounter()
+        with counter:
+            opt.step()
+        out = out + counter.computes().get("forward", Compute()).scaled(k)
+    return out
+
+
+def _masters(compiled: Compiled, names=None) -> tuple[list[int], int, int]:
+    """The elements of each master the update steps on this rank, the bytes of the masters' gradients kept
+    until it ends, and the largest temporary of a ZeRO-1 reduce-scatter."""
     opts = compiled.options
     full = next(iter(compiled.traced.params.values())).dtype
     mixed = getattr(torch, opts.precision.param) in (torch.bfloat16, torch.float16)
@@ -42,7 +72,7 @@ def step_extra(compiled: Compiled, names=None) -> int:
             copies += size * full.itemsize  # the master's gradient, kept until the update ends
         if piece is not None:  # a full-precision copy of the local gradient, reduce-scattered into the piece
             largest = max(largest, 2 * local * full.itemsize)
-    return copies + max(largest, _update_peak(sizes, full))
+    return sizes, copies, largest
 
 
 def _update_peak(sizes: list[int], dtype: torch.dtype) -> int:
@@ -62,4 +92,4 @@ def _update_peak(sizes: list[int], dtype: torch.dtype) -> int:
     return tracker.peak - base
 
 
-__all__ = ["step_extra"]
+__all__ = ["optimizer_compute", "step_extra"]

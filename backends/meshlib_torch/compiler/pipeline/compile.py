@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from meshlib import Collective, Memory, Stage
+from meshlib import Collective, Compute, Memory, Stage, StageCompute
 from meshlib import schedule as core_schedule
 from meshlib.options import Parallelism, Pipelining
 from meshlib.schedules import resolve_schedule
@@ -27,6 +27,7 @@ from ..capture.call import Call
 from ..capture.trace import Untraceable
 from ..estimates.dryrun import stage_peaks
 from ..estimates.records import dp_collectives, graph_collectives
+from ..estimates.stepmem import optimizer_compute
 from ..graph import compile_graph
 from ..program import Compiled, EagerStages, TracedStages, fsdp_whole, model_state
 from .costs import graph_costs, layer_costs, stage_ranges
@@ -107,25 +108,37 @@ def _plan_with_stages(compiled, stages, core, layers: list[str], m: int, pp_axis
         mods = tuple(layers[a:b])
         out.append(Stage(s, core.placement[s], mods, stages.costs[s] if stages.costs else 0.0, tuple(sends)))
     notes = dict(plan.notes) | {"stage split": f"{split}, balanced by {stages.balance}"}
-    memory = stage_memory(compiled, stages, core, estimate)
+    memory, compute = stage_memory(compiled, stages, core, estimate)
     return plan.replace(
         stages=tuple(out), schedule=core.name, microbatches=m, pp_axis=pp_axis, notes=tuple(notes.items()),
         collectives=tuple(stage_collectives(compiled, stages, core, m, pp_axis)), stage_memory=memory,
-        memory=max(memory, key=lambda mem: (mem.peak, mem.params + mem.grads + mem.optimizer)),
+        memory=max(memory, key=lambda mem: (mem.peak, mem.params + mem.grads + mem.optimizer)), compute=compute,
     )  # fmt: skip
 
 
-def stage_memory(compiled, stages, core, estimate: bool = False) -> tuple[Memory, ...]:
+def stage_memory(compiled, stages, core, estimate: bool = False) -> tuple[tuple[Memory, ...], tuple]:
     """The memory of the ranks at each pp coordinate: the model state of the parameters their stages
-    hold, and with `estimate` the dry run's peak of their part of the schedule (`dryrun.stage_peaks`)."""
-    out = [model_state(compiled, held) for held in rank_params(stages, core.placement)]
-    if estimate and isinstance(compiled.program, TracedStages):
-        held = [m.params + m.optimizer for m in out]
-        grads = [model_state(compiled, names).grads for names in stages.params]
-        peaks = stage_peaks(compiled, core, held, grads)
-        states = [m.params + m.grads + m.optimizer for m in out]
-        out = [dataclasses.replace(m, activations=p - s, peak=p) for m, s, p in zip(out, states, peaks)]
-    return tuple(out)
+    hold, and with `estimate` the dry run's peak of their part of the schedule (`dryrun.stage_peaks`) and
+    what they compute per microbatch (their stages' passes together) and per step (the optimizer)."""
+    placed = rank_params(stages, core.placement)
+    out = [model_state(compiled, held) for held in placed]
+    if not (estimate and isinstance(compiled.program, TracedStages)):
+        return tuple(out), ()
+    held = [m.params + m.optimizer for m in out]
+    grads = [model_state(compiled, names).grads for names in stages.params]
+    peaks, per_stage = stage_peaks(compiled, core, held, grads)
+    states = [m.params + m.grads + m.optimizer for m in out]
+    out = [dataclasses.replace(m, activations=p - s, peak=p) for m, s, p in zip(out, states, peaks)]
+    compute = []
+    for r, names in enumerate(placed):
+        mine = [c for c, rank in zip(per_stage, core.placement) if rank == r]
+        weights = [c.weight for c in mine if c.weight is not None]
+        compute.append(StageCompute(
+            sum((c.forward for c in mine), Compute()), sum((c.backward for c in mine), Compute()),
+            sum((c.recompute for c in mine), Compute()), sum(weights, Compute()) if weights else None,
+            optimizer_compute(compiled, names),
+        ))  # fmt: skip
+    return tuple(out), tuple(compute)
 
 
 def stage_collectives(compiled, stages, core, m: int, pp_axis: str) -> list[Collective]:

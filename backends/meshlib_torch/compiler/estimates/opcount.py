@@ -1,0 +1,79 @@
+"""What a rank computes, counted op by op in the dry run: the plan's compute per pass, for the time model.
+
+`OpCounter` is a dispatch mode: every aten op the dry run dispatches on meta tensors is one op of the pass it
+runs in (forward; backward; recompute, while a checkpointed layer replays its forward; weight, a zero-bubble
+schedule's weight pass). An op with a FLOP formula in torch's registry (`torch.utils.flop_counter`: matrix
+products, attention kernels, convolutions) is a matrix product of that many FLOPs, reading and writing its
+inputs and outputs; every other op moves its inputs' and outputs' bytes (a view moves none). The counts are
+`meshlib.Compute` values, one per pass, of one microbatch on one rank.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from meshlib import Compute
+
+from ...modules.recompute import replaying
+from ...torch_private import TorchDispatchMode, in_backward, pytree
+
+__all__ = ["OpCounter"]
+
+# ops that allocate or describe without moving data
+_FREE = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias", "lift_fresh",
+         "_to_copy_meta", "sym_size", "sym_stride", "sym_numel", "is_same_size", "_local_scalar_dense"}  # fmt: skip
+
+
+def _nbytes(values) -> int:
+    total = 0
+    for t in pytree.tree_flatten(values)[0]:
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
+
+
+class OpCounter(TorchDispatchMode):
+    """Count the ops dispatched under it, by pass; `phase` forces one (the weight pass), else it is read
+    from autograd and recompute. `computes()` gives `{pass: Compute}`."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase: str | None = None
+        self._matmuls: dict[str, dict[tuple[float, float], int]] = defaultdict(lambda: defaultdict(int))
+        self._other: dict[str, list] = defaultdict(lambda: [0.0, 0.0, 0])
+
+    def _pass(self) -> str:
+        if self.phase is not None:
+            return self.phase
+        if replaying():
+            return "recompute"
+        return "backward" if in_backward() else "forward"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        name = packet.__name__
+        where = self._pass()
+        if packet in flop_registry:
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+            self._matmuls[where][(flops, float(_nbytes((args, kwargs)) + _nbytes(out)))] += 1
+        else:
+            other = self._other[where]
+            other[2] += 1
+            if name not in _FREE and not func.is_view:
+                other[1] += _nbytes((args, kwargs)) + _nbytes(out)
+        return out
+
+    def computes(self) -> dict[str, Compute]:
+        passes = set(self._matmuls) | set(self._other)
+        return {
+            p: Compute(
+                tuple((f, b, n) for (f, b), n in self._matmuls.get(p, {}).items()),
+                0.0, self._other.get(p, [0, 0.0, 0])[1], self._other.get(p, [0, 0.0, 0])[2],
+            )
+            for p in passes
+        }  # fmt: skip

@@ -1,0 +1,87 @@
+"""A compiled plan's step as a `Workload`, and its predicted time: `predict_plan(plan, profile)`.
+
+The plan holds what each rank computes (its dry run's count, `Plan.compute`, per pipeline coordinate and
+microbatch) and every collective with its bytes, phase and count per step. They become a `Workload` as
+meshlib's runtime runs them:
+
+- a collective of the graph (tensor parallelism, the loss, a region's own: the ring's hops, the experts'
+  all-to-alls) runs once per microbatch, in its phase; the ring's hops travel behind their blocks;
+- the gradient sync runs as backward frees the gradients (per-parameter hooks; FSDP2's reduce-scatters
+  under ZeRO-2/3): behind the last microbatch's backward. ZeRO-2/3's parameter gathers are prefetched
+  (FSDP2): behind the step's compute. ZeRO-1's gather of the updated shards follows the update;
+- a pipeline's activations and their gradients cross each stage boundary once per microbatch.
+
+Example:
+    >>> from meshlib import Mesh, Plan, Precision, Collective, A100
+    >>> from meshlib.workload import Compute, StageCompute
+    >>> sc = StageCompute(forward=Compute(((1e12, 0.0, 1),)), backward=Compute(((1e12, 0.0, 2),)))
+    >>> sync = Collective("all_reduce", ("dp",), 10**9, op="grad sync", phase="backward", group=8)
+    >>> plan = Plan(Mesh(dp=8), collectives=(sync,), compute=(sc,), model_flops=24e12, tokens=8192,
+    ...             precision=Precision.parse("bf16"))
+    >>> w = workload_of(plan)
+    >>> w.stages[0].step_comm[0].overlap
+    'backward'
+    >>> p = predict_plan(plan, A100)  # 3 TFLOP at 0.8 of 312 TFLOP/s; the all-reduce hides behind backward
+    >>> round(p.step_time * 1e3, 2), f"{p.mfu:.3f}", p.comm
+    (12.08, '0.796', 0.0)
+"""
+
+from __future__ import annotations
+
+from .devices import DeviceProfile, device_profile
+from .plan import Plan
+from .predict import Prediction, predict
+from .workload import Comm, Compute, StageWork, Workload
+
+__all__ = ["predict_plan", "workload_of"]
+
+# the records of the data-parallel traffic (`meshlib_torch.compiler.estimates.records`)
+GRAD_SYNC, PARAM_GATHER = "grad sync", "param gather"
+
+
+def workload_of(plan: Plan) -> Workload:
+    """`plan`'s step as a `Workload`; the plan needs its dry run's compute (`estimate_memory=True`)."""
+    if not plan.compute:
+        raise ValueError(
+            "this plan has no count of what its ranks compute: compile it with estimate_memory=True (meshlib plan "
+            "--profile does), which runs its step on meta tensors and counts every op"
+        )
+    m = max(1, plan.microbatches)
+    stages = tuple(_stage(plan, r, m) for r in range(len(plan.compute)))
+    pp = len(plan.compute) if plan.stages else 1
+    chunks = max(1, len(plan.stages) // pp) if plan.stages else 1
+    return Workload(
+        mesh=plan.mesh, stages=stages, tokens=plan.tokens, model_flops=plan.model_flops, dtype=plan.precision.param,
+        schedule=plan.schedule if plan.stages else "", microbatches=m, chunks=chunks, pp_axis=plan.pp_axis or "pp",
+    )  # fmt: skip
+
+
+def predict_plan(plan: Plan, profile: DeviceProfile | str, *, simulate_pipeline: bool = True) -> Prediction:
+    """The predicted step of `plan` on devices of `profile` (a `DeviceProfile`, or a name or path for
+    `meshlib.device_profile`)."""
+    return predict(workload_of(plan), device_profile(profile), simulate_pipeline=simulate_pipeline)
+
+
+def _stage(plan: Plan, r: int, m: int) -> StageWork:
+    staged = bool(plan.stages)
+    work = plan.compute[r]
+    per, step = [], []
+    for c in plan.rank_collectives(r if staged else None):
+        if staged and c.kind == "send_recv" and c.axes == (plan.pp_axis,):
+            continue  # the boundary's activations: the pipeline's sends (`send`)
+        if c.op in (GRAD_SYNC, PARAM_GATHER):
+            overlap = "backward" if c.op == GRAD_SYNC else ("forward" if c.phase != "optimizer" else "none")
+            step.append(Comm(c.kind, c.axes, c.bytes, c.phase, c.count, overlap))
+        elif c.phase == "step":
+            step.append(Comm(c.kind, c.axes, c.bytes, c.phase, c.count))
+        else:
+            overlap = "compute" if c.op.startswith("lax.ppermute") else "none"
+            per.append(Comm(c.kind, c.axes, c.bytes, c.phase, c.count / m, overlap))
+    sends = [sum(b.bytes for b in s.sends) for s in plan.stages if s.rank == r]
+    backward = work.backward if work.weight is None else work.backward + work.weight
+    mem = plan.rank_memory(r if staged else None)
+    return StageWork(
+        forward=work.forward, backward=backward, recompute=work.recompute, weight=work.weight, comm=tuple(per),
+        send=max(sends, default=0.0), step_comm=tuple(step), optimizer=work.optimizer or Compute(),
+        memory=mem.peak if mem is not None else 0,
+    )  # fmt: skip
