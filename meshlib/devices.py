@@ -75,6 +75,8 @@ class DeviceProfile:
       `matmul_half` FLOPs half of that);
     - `memory`, `memory_bandwidth`, `memory_efficiency`: bytes per device, bytes per second at peak, and the
       fraction of it that elementwise ops reach (they are bound by memory traffic);
+    - `fused_efficiency`: the fraction of peak that FLOPs outside plain matrix products reach (a fused
+      attention kernel: its softmax and masking run between its products);
     - `devices_per_node`, `links`: the network, innermost level first (inside a node, then across nodes);
     - `host_per_op`: seconds of host time per op (launch, dispatch); `host_overlaps`: whether the host runs
       ahead of the device (GPUs: a step takes the longer of the two) or computes itself (CPUs: the sum);
@@ -94,6 +96,7 @@ class DeviceProfile:
     devices_per_node: int
     links: tuple[Link, ...]
     memory_efficiency: float = 0.8
+    fused_efficiency: float = 1.0
     host_per_op: float = 0.0
     host_overlaps: bool = True
     cores: int = 0
@@ -113,6 +116,8 @@ class DeviceProfile:
             problems.append(f"matmul_efficiency={self.matmul_efficiency} in (0, 1], matmul_half >= 0")
         if not 0 < self.memory_efficiency <= 1 or self.memory_bandwidth <= 0 or self.memory <= 0:
             problems.append("memory, memory_bandwidth > 0 and memory_efficiency in (0, 1]")
+        if not 0 < self.fused_efficiency <= 1:
+            problems.append(f"fused_efficiency={self.fused_efficiency} in (0, 1]")
         if self.devices_per_node < 1 or not self.links or len(self.links) > 2:
             problems.append(f"devices_per_node={self.devices_per_node} >= 1 and one or two links ({self.links})")
         if self.host_per_op < 0 or self.cores < 0 or self.comm_oversubscription < 0:
@@ -173,6 +178,15 @@ GIB = 1 << 30
 # 156 tf32, 19.5 fp32 and fp64 (NVIDIA A100 Tensor Core GPU datasheet, 2021); HBM2e 2,039 GB/s. NVLink 3:
 # 12 links of 25 GB/s each way, 300 GB/s per direction per GPU (datasheet). Across nodes: 8 ConnectX-6 HDR
 # InfiniBand adapters per node, 200 Gb/s = 25 GB/s each way per GPU (DGX A100 user guide).
+# Achieved fractions: the largest bf16 products reach 268-271 TFLOP/s, 86-87% of peak, at the best shape a
+# search finds (stas00/ml-engineering, compute/accelerator "Maximum Achievable Matmul FLOPS" table, CUDA 12);
+# a training step's products run at 0.8 (0.92 of that ceiling), less a fixed 20 us each (`matmul_half`).
+# NVLink collectives: nccl-tests all_reduce_perf on 8 A100-SXM4-80GB reaches 200-208 GB/s bus bandwidth,
+# 0.67-0.69 of 300 (NVIDIA/nccl-tests issues #149 and #178): 0.7. InfiniBand: two HGX A100 nodes with four
+# HDR adapters reach 91 GB/s bus bandwidth, 0.91 of 4 x 25 (NVIDIA/nccl-tests issue #100): 0.9. Memory: a
+# read kernel reaches 1.80 TB/s, 88% (NVIDIA developer forum, "Trouble to reach peak bandwidth of A100");
+# framework elementwise kernels that read and write: 0.8. Fused attention: FlashAttention-2 reaches 50-73%
+# of peak on A100 (Dao 2023, arXiv:2307.08691): 0.6.
 A100 = DeviceProfile(
     name="a100",
     flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12), ("float64", 19.5e12)),
@@ -180,21 +194,29 @@ A100 = DeviceProfile(
     matmul_half=5e9,
     memory=80 * GIB,
     memory_bandwidth=2.039e12,
+    fused_efficiency=0.6,
     devices_per_node=8,
     links=(
-        Link("nvlink", alpha=5e-6, bandwidth=300e9, efficiency=(("all_reduce", 0.8), ("all_gather", 0.8),
-             ("reduce_scatter", 0.8), ("all_to_all", 0.7), ("send_recv", 0.8))),  # fmt: skip
+        Link("nvlink", alpha=5e-6, bandwidth=300e9, efficiency=(("all_reduce", 0.7), ("all_gather", 0.7),
+             ("reduce_scatter", 0.7), ("all_to_all", 0.7), ("send_recv", 0.7))),  # fmt: skip
         Link("infiniband", alpha=10e-6, bandwidth=25e9, efficiency=(("all_reduce", 0.9), ("all_gather", 0.9),
              ("reduce_scatter", 0.9), ("all_to_all", 0.7), ("send_recv", 0.9))),  # fmt: skip
     ),
     host_per_op=0.0,
-    source="NVIDIA A100 datasheet (peak, HBM, NVLink 3); DGX A100 user guide (8x HDR 200 Gb/s)",
+    source="NVIDIA A100 datasheet (peak, HBM, NVLink 3); DGX A100 user guide (8x HDR 200 Gb/s); MAMF table "
+    "(stas00/ml-engineering); nccl-tests issues #100, #149, #178; FlashAttention-2 (arXiv:2307.08691)",
 )
 
 # NVIDIA H100 SXM5 80 GB, in a DGX H100 node (8 GPUs). Peak: 989 TFLOP/s dense bf16/fp16, 67 fp32, 67 fp64
 # tensor (NVIDIA H100 Tensor Core GPU datasheet, 2023); HBM3 3.35 TB/s. NVLink 4: 18 links, 450 GB/s per
 # direction per GPU. Across nodes: 8 ConnectX-7 NDR 400 Gb/s = 50 GB/s each way per GPU (DGX H100 user
 # guide; Meta's Llama 3 clusters use 400 Gb/s RoCE or InfiniBand per GPU, arXiv:2407.21783 sec. 3.3.1).
+# Achieved fractions: the best bf16 product shape reaches 792-795 TFLOP/s, 80% of peak (stas00/ml-engineering
+# MAMF table); a step's products run at 0.75 (0.93 of that ceiling, as for the A100), less a fixed 20 us each.
+# NVLink 4: nccl-tests all_reduce_perf on 8 H200 (the same NVLink 4) reaches 475 GB/s bus bandwidth with
+# NVLink SHARP (NVIDIA/nccl-tests issue #272), and peer copies 783 of 900 GB/s both ways (NVIDIA/nccl issue
+# #1264): 0.8 for rings. Fused attention: FlashAttention-2, the kernel of 2023-24, reaches 35% of peak on
+# H100 (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608; FlashAttention-3 reaches 75%): 0.35.
 H100 = DeviceProfile(
     name="h100",
     flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12), ("float64", 67e12)),
@@ -202,6 +224,7 @@ H100 = DeviceProfile(
     matmul_half=15e9,
     memory=80 * GIB,
     memory_bandwidth=3.35e12,
+    fused_efficiency=0.35,
     devices_per_node=8,
     links=(
         Link("nvlink", alpha=5e-6, bandwidth=450e9, efficiency=(("all_reduce", 0.8), ("all_gather", 0.8),
@@ -210,7 +233,8 @@ H100 = DeviceProfile(
              ("reduce_scatter", 0.9), ("all_to_all", 0.7), ("send_recv", 0.9))),  # fmt: skip
     ),
     host_per_op=0.0,
-    source="NVIDIA H100 datasheet (peak, HBM3, NVLink 4); DGX H100 user guide (8x NDR 400 Gb/s)",
+    source="NVIDIA H100 datasheet (peak, HBM3, NVLink 4); DGX H100 user guide (8x NDR 400 Gb/s); MAMF table "
+    "(stas00/ml-engineering); nccl-tests issue #272, nccl issue #1264; FlashAttention-3 (arXiv:2407.08608)",
 )
 
 PROFILES = {"a100": A100, "h100": H100}

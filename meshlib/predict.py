@@ -1,7 +1,8 @@
 """A step's time from its `Workload` and a `DeviceProfile`: compute, communication, the pipeline's bubble.
 
 - **Compute.** A matrix product of f FLOPs runs at `profile.matmul_fraction(f)` of the dtype's peak, or as
-  fast as memory feeds it, whichever is slower; every other op is bound by its memory traffic. The host's
+  fast as memory feeds it, whichever is slower; every other op takes its memory traffic's time, plus its
+  FLOPs at `profile.fused_efficiency` of peak (fused kernels that are not plain products: attention). The host's
   time per op is hidden behind the device's where the host runs ahead (GPUs), added where it computes
   itself (CPUs). Ranks beyond a CPU host's cores share them.
 - **Communication.** Each collective runs over the ranks its mesh axes span. Mesh axes map to links in
@@ -127,7 +128,7 @@ def compute_time(c: Compute, profile: DeviceProfile, dtype: str, share: float = 
     peak = profile.flops_per_s(dtype) * share
     bw = profile.memory_bandwidth * profile.memory_efficiency * share
     device = sum(n * max(f / (peak * profile.matmul_fraction(f)), b / bw) for f, b, n in c.matmuls if f > 0)
-    device += max(c.bytes / bw, c.flops / peak)
+    device += c.bytes / bw + c.flops / (peak * profile.fused_efficiency)
     host = c.op_count * profile.host_per_op
     return max(device, host) if profile.host_overlaps else device + host
 
@@ -146,7 +147,9 @@ def predict(workload: Workload, profile: DeviceProfile, *, simulate_pipeline: bo
     if workload.schedule and workload.pp > 1:
         send = max(s.send for s in workload.stages)
         t_send = comm_time(Comm("send_recv", (workload.pp_axis,), send), mesh, profile) if send else 0.0
-        makespan = _pipeline(workload.schedule, workload.pp, m, v, t_f, t_b, t_send, simulate_pipeline)
+        weights = [compute_time(s.weight, profile, dtype, share) for s in workload.stages if s.weight is not None]
+        t_w = min(max(weights), t_b) if len(weights) == len(workload.stages) else None
+        makespan = _pipeline(workload.schedule, workload.pp, m, v, t_f, t_b, t_send, simulate_pipeline, t_w)
     else:
         makespan = m * (t_f + t_b)
     stage_comm = max(p[2] for p in per) * m
@@ -170,16 +173,22 @@ def _share(ranks: int, profile: DeviceProfile) -> float:
 
 
 def _per_microbatch(s: StageWork, mesh: Mesh, profile: DeviceProfile, dtype: str, share: float) -> tuple:
-    """(forward time, backward time, exposed communication, compute) of one microbatch on this stage."""
+    """(forward time, backward time, exposed communication, compute) of one microbatch on this stage.
+    Collectives that run behind compute ("compute": ring hops behind their blocks, an asynchronous
+    gradient collective behind its product) hide together behind their pass: what they take beyond it shows."""
     f = compute_time(s.forward, profile, dtype, share)
     b = compute_time(s.backward, profile, dtype, share) + compute_time(s.recompute, profile, dtype, share)
     comm = {"forward": 0.0, "backward": 0.0}
+    behind = {"forward": 0.0, "backward": 0.0}
     for c in s.comm:
         t = comm_time(c, mesh, profile) * c.count
+        phase = "forward" if c.phase == "forward" else "backward"
         if c.overlap == "compute" and profile.host_overlaps:
-            pass_time = f if c.phase == "forward" else b
-            t = max(0.0, t - pass_time)  # hops behind the blocks they feed; what is longer shows
-        comm["forward" if c.phase == "forward" else "backward"] += t
+            behind[phase] += t
+        else:
+            comm[phase] += t
+    comm["forward"] += max(0.0, behind["forward"] - f)
+    comm["backward"] += max(0.0, behind["backward"] - b)
     return f + comm["forward"], b + comm["backward"], comm["forward"] + comm["backward"], f + b
 
 
@@ -195,12 +204,15 @@ def _step_comm(s: StageWork, mesh: Mesh, profile: DeviceProfile, per: tuple, m: 
     return sum(max(0.0, t - hidden[k]) for k, t in total.items())
 
 
-def _pipeline(name: str, p: int, m: int, v: int, t_f: float, t_b: float, t_send: float, sim: bool) -> float:
-    """The pipeline's makespan: per action, a rank's stage-chunk takes 1/v of its per-microbatch time."""
+def _pipeline(
+    name: str, p: int, m: int, v: int, t_f: float, t_b: float, t_send: float, sim: bool, t_w: float | None = None
+) -> float:
+    """The pipeline's makespan: per action, a rank's stage-chunk takes 1/v of its per-microbatch time. A
+    zero-bubble schedule's W takes `t_w` (the weight-gradient products; half of backward when not given)."""
     if not sim:
         bubble = bubble_formula(name, p, m, v if v > 1 else None)
         return m * (t_f + t_b) / (1 - bubble) + 2 * (p - 1) * t_send
     kind = build_schedule(name, p, m, v if v > 1 else None)
     split = any(a.kind == "W" for row in kind.actions for a in row)
-    t_w = t_b / 2 if split else None
+    t_w = (t_b / 2 if t_w is None else t_w) if split else None
     return simulate(kind, t_f=t_f / v, t_b=t_b / v, t_w=None if t_w is None else t_w / v, t_comm=t_send).makespan

@@ -1,0 +1,332 @@
+"""A decoder-only transformer's training step in closed form: `ModelShape`, `Config`, `workload()`.
+
+The planner cannot trace a 400B-parameter model for every configuration it tries; it writes the step down
+instead. `workload(shape, config, batch=, seq=)` returns the `Workload` that `meshlib.predict` times: per
+pipeline rank, the forward, backward and recompute of one microbatch (every matrix product by size, every
+other op as its memory traffic), the collectives each runs, the activations a stage sends on, the
+per-step gradient sync and optimizer, and the peak memory per rank. The per-layer parts live in
+`meshlib.transformer_work` (compute and activation memory) and `meshlib.transformer_comm` (collectives).
+
+The counts follow the published analyses: Narayanan et al. 2021 (FLOPs, interleaved pipelines),
+Korthikanti et al. 2022 (activation memory, sequence parallelism, selective recompute), the ZeRO paper
+(model state, `meshlib.cost`). `Workload.model_flops` is the model's forward and backward once (no
+recompute) with attention counted whole (no causal discount), as MFU is reported (Korthikanti's
+72·B·s·l·h²(1 + s/6h + V/12lh); torchtitan's and PaLM's 6N + 12·l·h·s per token).
+
+Example:
+    >>> gpt3 = ModelShape(layers=96, hidden=12288, heads=96, ffn=49152, vocab=50257, positions=2048,
+    ...                   bias=True, tied=True, dropout=True)
+    >>> round(gpt3.params() / 1e9, 1)
+    174.6
+    >>> w = workload(gpt3, Config(dp=1, tp=8, pp=8, microbatch=1, schedule="interleaved-1f1b", chunks=3,
+    ...              recompute="selective", sp=True, flash=False), batch=64, seq=2048)
+    >>> w.mesh, w.microbatches, w.chunks
+    (Mesh(dp=1, pp=8, cp=1, ep=1, tp=8), 64, 3)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+
+from . import transformer_comm as _comm
+from . import transformer_work as _work
+from .mesh import Mesh
+from .schedules import resolve_schedule
+from .schedules import schedule as build_schedule
+from .workload import Compute, StageWork, Workload
+
+__all__ = ["Config", "ModelShape", "RECOMPUTE_MODES", "CP_METHODS", "TP_OVERLAPS", "workload"]
+
+RECOMPUTE_MODES = ("none", "selective", "block")
+CP_METHODS = ("ring", "all-gather", "all-to-all")
+TP_OVERLAPS = ("none", "backward", "all")
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def _positive(obj, names: tuple[str, ...], minimum: int = 1) -> list[str]:
+    return [f"{n}={getattr(obj, n)!r} must be an int >= {minimum}" for n in names
+            if not isinstance(getattr(obj, n), int) or isinstance(getattr(obj, n), bool)
+            or getattr(obj, n) < minimum]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """A decoder-only transformer. `kv_heads` (0: `heads`), `head_dim` (0: hidden // heads) and `v_head_dim`
+    (0: `head_dim`) shape attention; `q_rank`, `kv_rank` (0: full rank) give MLA's low-rank projections
+    (DeepSeek-V2/V3; the decoupled RoPE key is counted inside each head's key). `gated`: SwiGLU (three MLP
+    matrices, else two). `experts` (0: dense) routed experts of width `moe_ffn` (0: `ffn`), `top_k` of them
+    per token, plus `shared_experts` of that width; the first `dense_layers` layers stay dense. `tied`: the
+    head reuses the embedding. `norm`: "layernorm" (weight and bias) or "rmsnorm". `bias`: linear biases
+    (GPT). `positions`: learned position embeddings (GPT; 0: rotary). `dropout`: attention and hidden
+    dropout during training (GPT-3, Megatron's GPT; their masks are kept for backward)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    kv_heads: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+    q_rank: int = 0
+    kv_rank: int = 0
+    gated: bool = False
+    experts: int = 0
+    top_k: int = 0
+    moe_ffn: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    tied: bool = False
+    norm: str = "layernorm"
+    bias: bool = False
+    positions: int = 0
+    dropout: bool = False
+
+    def __post_init__(self):
+        problems = _positive(self, ("layers", "hidden", "heads", "ffn", "vocab"))
+        problems += _positive(self, ("kv_heads", "head_dim", "v_head_dim", "q_rank", "kv_rank", "experts", "top_k",
+                                     "moe_ffn", "shared_experts", "dense_layers", "positions"), minimum=0)  # fmt: skip
+        if problems:
+            raise ValueError("ModelShape: " + "; ".join(problems))
+        _set = object.__setattr__
+        _set(self, "kv_heads", self.kv_heads or self.heads)
+        _set(self, "head_dim", self.head_dim or self.hidden // self.heads)
+        _set(self, "v_head_dim", self.v_head_dim or self.head_dim)
+        if self.experts:
+            _set(self, "moe_ffn", self.moe_ffn or self.ffn)
+        self._check()
+
+    def _check(self):
+        problems = []
+        if self.heads % self.kv_heads:
+            problems.append(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads} (grouped queries)")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            problems.append(f"norm={self.norm!r}: use 'layernorm' or 'rmsnorm'")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            problems.append(f"top_k={self.top_k} must lie in 1..experts={self.experts}: set top_k for an MoE model")
+        if not self.experts and (self.top_k or self.shared_experts or self.dense_layers):
+            problems.append("top_k, shared_experts and dense_layers describe experts: set experts > 0, or leave them 0")
+        if self.dense_layers > self.layers:
+            problems.append(f"dense_layers={self.dense_layers} exceeds layers={self.layers}")
+        if problems:
+            raise ValueError("ModelShape: " + "; ".join(problems))
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    def params(self) -> int:
+        """The exact parameter count (embeddings, every layer, the final norm and the head).
+
+        Example:
+            >>> llama3_405b = ModelShape(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248,
+            ...                          vocab=128256, gated=True, norm="rmsnorm")
+            >>> round(llama3_405b.params() / 1e9, 2)
+            405.85
+        """
+        h = self.hidden
+        embed = self.vocab * h * (1 if self.tied else 2) + self.positions * h
+        dense = self.layers - self.moe_layers
+        return (
+            embed
+            + self._norm()
+            + self.layers * self._attention_params()
+            + dense * self._mlp_params(self.ffn)
+            + (self.moe_layers * self._moe_params())
+        )
+
+    def _norm(self) -> int:
+        return self.hidden * (2 if self.norm == "layernorm" else 1)
+
+    def _attention_params(self) -> int:
+        h, q, o = self.hidden, self.heads * self.head_dim, self.heads * self.v_head_dim
+        kv, v = self.kv_heads * self.head_dim, self.kv_heads * self.v_head_dim
+        q_proj = h * self.q_rank + self.q_rank + self.q_rank * q if self.q_rank else h * q
+        kv_proj = h * self.kv_rank + self.kv_rank + self.kv_rank * (kv + v) if self.kv_rank else h * (kv + v)
+        biases = (q + kv + v + h) if self.bias else 0
+        return q_proj + kv_proj + o * h + biases + 2 * self._norm()
+
+    def _mlp_params(self, width: int) -> int:
+        up = 2 * width if self.gated else width
+        return self.hidden * (up + width) + ((up + self.hidden) if self.bias else 0)
+
+    def _moe_params(self) -> int:
+        expert = self._mlp_params(self.moe_ffn)
+        return self.hidden * self.experts + (self.experts + self.shared_experts) * expert
+
+    def matmul_params(self) -> int:
+        """Weights a token multiplies by in one forward (the experts it is routed to, the head; no embedding)."""
+        h = self.hidden
+        attention = self._attention_params() - 2 * self._norm() - ((self.heads + 2 * self.kv_heads) * self.head_dim
+                                                                  + h if self.bias else 0)  # fmt: skip
+        width = self.moe_ffn * (self.top_k + self.shared_experts)
+        mlp = (self.layers - self.moe_layers) * _mm_weights(self, self.ffn) + self.moe_layers * (
+            _mm_weights(self, width) + h * self.experts
+        )
+        return self.layers * attention + mlp + self.vocab * h
+
+    def forward_flops(self, tokens: int, seq: int, *, causal: bool = False) -> float:
+        """FLOPs of one forward over `tokens` tokens in sequences of `seq`: 2 per weight a token multiplies by,
+        and attention's two products, 2·seq·heads·(head_dim + v_head_dim) per token and layer (halved with
+        `causal`, as causal kernels skip the masked half; MFU conventions count it whole).
+
+        Example:
+            >>> s = ModelShape(layers=2, hidden=64, heads=4, ffn=256, vocab=100)
+            >>> s.forward_flops(8, 8) == 8 * (24 * 2 * 64**2 + 4 * 2 * 8 * 64 + 2 * 64 * 100)
+            True
+        """
+        attention = 2 * seq * self.heads * (self.head_dim + self.v_head_dim) * self.layers
+        return float(tokens) * (2 * self.matmul_params() + attention * (0.5 if causal else 1.0))
+
+
+def _mm_weights(shape: ModelShape, width: int) -> int:
+    return shape.hidden * width * (3 if shape.gated else 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """How a step runs: the mesh (`dp` × `ep` data ranks, `tp`, `pp`, `cp`), the ZeRO level, `recompute`
+    ("none", "selective": Megatron's recompute of the attention core, "block": every layer from its input),
+    `sp` (sequence parallelism), `microbatch` sequences per microbatch per data rank, the pipeline
+    `schedule` and its `chunks` per rank, `cp_method` ("ring", "all-gather", "all-to-all"), the compute
+    `dtype`, and how the runtime runs it where that changes the time:
+
+    - `flash`: attention is one fused kernel (FlashAttention, cuDNN): no seq×seq scores in memory, causal
+      blocks skipped, scores recomputed in backward; False: Megatron's 2022 path (scores written out, a
+      fused scale-mask-softmax, every product computed whole);
+    - `dp_overlap`: gradient reductions run while backward still computes (bucketed DDP, FSDP) and ZeRO's
+      parameter gathers are prefetched; False: they run after the pipeline flushes (Megatron-LM 2021-22);
+    - `tp_overlap`: "none"; "backward": Megatron's asynchronous input-gradient collective, hidden behind the
+      weight-gradient product of the same linear (and sequence parallelism's re-gather behind the
+      input-gradient product); "all": every tensor-parallel collective behind a matrix product;
+    - `reduce_dtype`: the dtype gradients accumulate and reduce in (Megatron's fp32 main grads);
+    - `fused_accumulation`: the weight-gradient product adds into that buffer itself (Megatron's gradient
+      accumulation fusion, from February 2022); False: a separate add per weight and microbatch;
+    - `async_p2p`: pipeline sends run behind compute (Llama 3, torch.distributed.pipelining); False: every
+      exchange between stages is waited for by both ranks (Megatron-LM 2021-22 synchronizes after each),
+      and without sequence parallelism the receiver all-gathers the message over tp (Megatron's
+      scatter-gather optimization).
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    ep: int = 1
+    cp: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    sp: bool = False
+    microbatch: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1
+    cp_method: str = "ring"
+    dtype: str = "bfloat16"
+    flash: bool = True
+    dp_overlap: bool = True
+    tp_overlap: str = "none"
+    reduce_dtype: str = "float32"
+    fused_accumulation: bool = True
+    async_p2p: bool = True
+
+    def __post_init__(self):
+        problems = _positive(self, ("dp", "tp", "pp", "ep", "cp", "microbatch", "chunks"))
+        choices = {"recompute": RECOMPUTE_MODES, "cp_method": CP_METHODS, "tp_overlap": TP_OVERLAPS,
+                   "dtype": tuple(ITEMSIZE), "reduce_dtype": tuple(ITEMSIZE), "zero": (0, 1, 2, 3)}  # fmt: skip
+        problems += [f"{k}={getattr(self, k)!r}: use one of {v}" for k, v in choices.items()
+                     if getattr(self, k) not in v]  # fmt: skip
+        if self.sp and self.tp == 1:
+            problems.append("sp=True needs tp > 1 (sequence parallelism splits what tensor parallelism replicates)")
+        if self.pp > 1:
+            try:
+                resolve_schedule(self.schedule, self.chunks)
+            except ValueError as err:
+                problems.append(f"schedule={self.schedule!r}, chunks={self.chunks}: {err}")
+        if problems:
+            raise ValueError("Config: " + "; ".join(problems))
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(dp=self.dp, pp=self.pp, cp=self.cp, ep=self.ep, tp=self.tp)
+
+    def replace(self, **changes) -> Config:
+        return Config(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+def workload(shape: ModelShape, config: Config, *, batch: int, seq: int) -> Workload:
+    """One training step of `shape` run as `config`: `batch` sequences of `seq` tokens (global)."""
+    m = _check(shape, config, batch, seq)
+    v = config.chunks if config.pp > 1 else 1
+    split = _work.layer_split(shape, config.pp, v)
+    peaks = _peaks(config.schedule, config.pp, m, v) if config.pp > 1 else (1,)
+    stages = tuple(_stage(shape, config, seq, m, r, split[r], peaks[r]) for r in range(config.pp))
+    name = resolve_schedule(config.schedule, config.chunks)[0] if config.pp > 1 else ""
+    return Workload(mesh=config.mesh, stages=stages, tokens=batch * seq,
+                    model_flops=3 * shape.forward_flops(batch * seq, seq), dtype=config.dtype, schedule=name,
+                    microbatches=m, chunks=v)  # fmt: skip
+
+
+def _check(shape: ModelShape, c: Config, batch: int, seq: int) -> int:
+    """The microbatches per step; raises naming what does not divide."""
+    data = c.dp * c.ep
+    problems = []
+    if batch % (data * c.microbatch):
+        problems.append(f"batch={batch} must be a multiple of dp*ep*microbatch={data * c.microbatch}")
+    if seq % c.cp:
+        problems.append(f"seq={seq} must be a multiple of cp={c.cp}")
+    if shape.heads % c.tp:
+        problems.append(f"heads={shape.heads} must be a multiple of tp={c.tp}")
+    if c.sp and seq // c.cp % c.tp:
+        problems.append(f"seq/cp={seq // c.cp} must be a multiple of tp={c.tp} under sequence parallelism")
+    if c.ep > 1 and (not shape.experts or shape.experts % c.ep):
+        problems.append(f"ep={c.ep} must divide experts={shape.experts}")
+    if shape.layers < c.pp:
+        problems.append(f"pp={c.pp} stages need at least as many layers (layers={shape.layers})")
+    if problems:
+        raise ValueError("workload: " + "; ".join(problems))
+    return batch // (data * c.microbatch)
+
+
+@functools.lru_cache(maxsize=256)
+def _peaks(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    """Stage-chunk activations each pipeline rank holds at its peak, counted on the schedule itself."""
+    out = []
+    for row in build_schedule(name, p, m, v if v > 1 else None).actions:
+        live = peak = 0
+        for a in row:
+            live += (a.kind == "F") - (a.kind in "BI")
+            peak = max(peak, live)
+        out.append(peak)
+    return tuple(out)
+
+
+def _stage(shape: ModelShape, c: Config, seq: int, m: int, rank: int, chunks: tuple, peak: int) -> StageWork:
+    """The ranks at pipeline coordinate `rank`, holding `chunks` (`(dense, moe)` layers each): the embedding
+    on rank 0, the head and loss on the last rank."""
+    first, last = rank == 0, rank == c.pp - 1
+    b = c.microbatch
+    n = b * seq // c.cp
+    dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
+    passes = _work.stage_passes(shape, c, b, seq, dense, moe, embed=first, head=last)
+    params = _work.stage_params(shape, c, dense, moe, embed=first, head=last)
+    kept = max(_work.chunk_activation(shape, c, b, seq, d, x) for d, x in chunks) * peak
+    kept += _work.head_activation(shape, c, n) if last else 0.0
+    tied = shape.tied and c.pp > 1 and (first or last)
+    return StageWork(
+        forward=passes.forward, backward=passes.backward, recompute=passes.recompute, weight=passes.weight,
+        comm=_comm.stage_comm(shape, c, b, seq, dense, moe, embed=first, head=last),
+        send=_comm.send_bytes(shape, c, n) if c.pp > 1 and c.async_p2p else 0.0,
+        step_comm=_comm.step_comm(params, c, m, tied=tied, embed_bytes=shape.vocab * shape.hidden / c.tp),
+        optimizer=_optimizer(params, c), memory=int(_comm.model_state(params, c) + kept),
+    )  # fmt: skip
+
+
+def _optimizer(params: tuple[float, float], c: Config) -> Compute:
+    """AdamW over the rank's shard of the model state, bound by memory: read the fp32 gradient, master weight
+    and two moments and write the three back and the compute-dtype copy (30 bytes a parameter), read the
+    gradient again for its norm (4), and zero the local gradient buffer (4 a gradient)."""
+    dense, expert = params
+    shards = (c.dp * c.ep * c.cp, c.dp * c.cp)
+    shard = sum(p / (n if c.zero else 1) for p, n in zip(params, shards))
+    grads = sum(p / (n if c.zero >= 2 else 1) for p, n in zip(params, shards))
+    return Compute(flops=12 * shard, bytes=34 * shard + 4 * grads, ops=24)

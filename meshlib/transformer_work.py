@@ -1,0 +1,266 @@
+"""What one rank computes and keeps for one microbatch of a transformer stage (`meshlib.transformer`'s parts).
+
+Per layer and microbatch, with n = b·s/cp tokens on the rank, t = tp, e bytes per activation element:
+
+- **Matrix products** by size, each `(flops, bytes, count)`: the QKV (or MLA's low-rank) projections, the
+  output projection, the MLP (two matrices, or SwiGLU's three with gate and up fused), the routed experts
+  (one product per local expert, n·top_k·ep/E tokens each) and shared experts, the head. Backward runs each
+  weight's product twice (input gradient, weight gradient: the latter is `weight`, a zero-bubble W).
+  The attention core is one batched product per pass over the rank's `b·heads/t` heads: scores and
+  probabilities·values written out (Megatron 2022); or (`flash`) one fused kernel, its FLOPs counted
+  apart from the plain products (`Compute.flops`, run at the profile's `fused_efficiency`), its causal
+  mask skipping half the blocks and its backward recomputing the scores (five products for the forward's two).
+- **Memory-bound ops** as bytes read and written, after Korthikanti et al. 2022's per-layer walk: two norms
+  (read x, write y), bias-dropout-residual (read the branch and the residual, write the sum and a 1-byte
+  mask), the MLP activation (GELU with its bias: read and write; SwiGLU: read two, write one), rotary
+  embeddings on q and k, and without `flash` the fused scale-mask-softmax over the b·heads/t·s² scores
+  (read, write), their dropout (read, write, mask) and the context's transpose. Backward reads what forward
+  kept and the incoming gradient and writes the outgoing one (norm: 3e, dropout: 2e + 1, GELU: 3e, SwiGLU:
+  5e, softmax: 3e per element) and adds the residual's gradient (3e). Without sequence parallelism the
+  norms, dropouts and residuals run on all n tokens on every tensor-parallel rank; with it on n/t.
+- **Recompute**: "block" runs the forward again; "selective" the attention core (its products, softmax and
+  dropout): nothing under `flash`, which never keeps the scores.
+- **Activations kept** per layer (`layer_activation`): Korthikanti's walk in bytes, which for a GPT layer
+  with dropout is sbh(34 + 5as/h) on one device, sbh(10 + 24/t + 5as/(ht)) under tensor parallelism,
+  sbh(34/t + 5as/(ht)) with sequence parallelism, without the scores' 5as/(ht) under selective recompute,
+  and 2sbh (2sbh/t with sequence parallelism) under block recompute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .workload import Compute
+
+__all__ = ["Passes", "chunk_activation", "head_activation", "layer_split", "stage_params", "stage_passes"]
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+@dataclass(frozen=True, slots=True)
+class Passes:
+    forward: Compute
+    backward: Compute
+    recompute: Compute
+    weight: Compute
+
+
+def layer_split(shape, pp: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per pipeline rank, per chunk: `(dense layers, MoE layers)`. Virtual stage k (of pp·v) lives on rank
+    k mod pp (Megatron's interleaving). Layers spread evenly; where they do not divide, the first and the
+    last virtual stages (which also hold the embedding and the head) give up one layer each in turn, as
+    Llama 3 405B's 126 layers fill 128 virtual stages (Dubey et al. 2024, sec. 3.3.2)."""
+    stages = pp * v
+    per = -(-shape.layers // stages)
+    counts = [per] * stages
+    deficit, k = per * stages - shape.layers, 0
+    while deficit:
+        index = k // 2 if k % 2 == 0 else stages - 1 - k // 2
+        if counts[index]:
+            counts[index] -= 1
+            deficit -= 1
+        k += 1
+    dense_left, out = shape.layers - shape.moe_layers, [[] for _ in range(pp)]
+    for stage, count in enumerate(counts):
+        dense = min(count, dense_left)
+        dense_left -= dense
+        out[stage % pp].append((dense, count - dense))
+    return tuple(tuple(row) for row in out)
+
+
+def _mm(m: float, k: float, n: float, e: int, count: int = 1, batch: float = 1) -> tuple[float, float, int]:
+    """`count` products of an (m x k) by a (k x n) matrix, `batch` of them in one kernel."""
+    return 2.0 * m * k * n * batch, float(e) * batch * (m * k + k * n + m * n), count
+
+
+def _weights(gemms: tuple, c) -> tuple[tuple, tuple, float]:
+    """Forward and backward products of weight matrices given as `(m, k, n, count)` (tokens, in, out): the
+    forward and the input gradient read and write their operands; the weight gradient accumulates into a
+    `reduce_dtype` buffer, inside the product (read and write the buffer: `fused_accumulation`) or by a
+    separate add per microbatch (the product writes a compute-dtype gradient, the add reads it and the
+    buffer and writes the buffer). Returns (forward, backward, backward bytes outside the products)."""
+    e, g = ITEMSIZE[c.dtype], ITEMSIZE[c.reduce_dtype]
+    fwd, back, extra = [], [], 0.0
+    for m, k, n, count in gemms:
+        fwd.append(_mm(m, k, n, e, count))
+        back.append(_mm(m, n, k, e, count))
+        grad = e * (m * k + m * n) + (2 * g * k * n if c.fused_accumulation else e * k * n)
+        back.append((2.0 * m * k * n, grad, count))
+        extra += 0.0 if c.fused_accumulation else (e + 2 * g) * k * n * count
+    return tuple(fwd), tuple(back), extra
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """One layer's parts: weight products `(m, k, n, count)`; the attention core forward and backward (its
+    products and memory traffic, or one fused kernel); memory traffic outside the core forward and backward."""
+
+    gemms: tuple
+    core: Compute
+    core_back: Compute
+    bytes_fwd: float
+    bytes_bwd: float
+
+
+def _widths(shape, t: int) -> tuple[float, float, float, float]:
+    """Per-rank widths of q, k, v and the attention's output (kv heads fewer than t are replicated: each rank
+    keeps one)."""
+    kv = max(shape.kv_heads // t, 1) if shape.kv_heads < shape.heads else shape.kv_heads / t
+    return (shape.heads * shape.head_dim / t, kv * shape.head_dim, kv * shape.v_head_dim,
+            shape.heads * shape.v_head_dim / t)  # fmt: skip
+
+
+def _attention(shape, c, b: int, seq: int, e: int) -> tuple[tuple, Compute, Compute]:
+    """(projections, core forward, core backward) of one layer's attention."""
+    t, h, n = c.tp, shape.hidden, b * seq // c.cp
+    q, k, v, o = _widths(shape, t)
+    kv = k + v
+    if shape.q_rank or shape.kv_rank:  # MLA: down-projections replicated over tp, up-projections split
+        qr, kr = shape.q_rank or h, shape.kv_rank or h
+        proj = ((n, h, qr, 1), (n, qr, q, 1)) if shape.q_rank else ((n, h, q, 1),)
+        proj += ((n, h, kr, 1), (n, kr, kv, 1)) if shape.kv_rank else ((n, h, kv, 1),)
+    else:
+        proj = ((n, h, q + kv, 1),)
+    proj += ((n, o, h, 1),)
+    heads, sq, d, dv = b * shape.heads / t, seq // c.cp, shape.head_dim, shape.v_head_dim
+    scores = heads * sq * seq
+    if c.flash:  # one fused kernel: FLOPs at the profile's fused rate; backward recomputes the scores
+        f = 2.0 * scores * (d + dv) * 0.5  # causal: half the blocks
+        io = e * (n * (q + o) + b * seq * kv) + 4 * heads * sq  # read q, k, v; write out and log-sum-exp
+        return proj, Compute(flops=f, bytes=io, ops=1), Compute(flops=2.5 * f, bytes=2 * io, ops=1)
+    qk, pv = _mm(sq, d, seq, e, batch=heads), _mm(sq, seq, dv, e, batch=heads)
+    drop = (2 * e + 1) * scores if shape.dropout else 0.0
+    fwd = 2 * e * scores + drop + 2 * e * n * o  # softmax, dropout, context transpose
+    bwd = 3 * e * scores + drop + 2 * e * n * o
+    return proj, Compute((qk, pv), bytes=fwd, ops=4), Compute((qk, qk, pv, pv), bytes=bwd, ops=6)
+
+
+def _mlp(shape, c, n: int, e: int, moe: bool) -> tuple[tuple, float, float]:
+    """(products, activation bytes forward, backward) of one layer's MLP or experts."""
+    t, h = c.tp, shape.hidden
+    act_f, act_b = (3 * e, 5 * e) if shape.gated else (2 * e, 3 * e)
+    up = 2 if shape.gated else 1
+    if not moe:
+        w = shape.ffn / t
+        return ((n, h, up * w, 1), (n, w, h, 1)), act_f * n * w, act_b * n * w
+    k, w, local = shape.top_k, shape.moe_ffn / t, shape.experts // c.ep
+    tokens = n * k * c.ep / shape.experts
+    gemms = ((n, h, shape.experts, 1), (tokens, h, up * w, local), (tokens, w, h, local))
+    shared = shape.shared_experts * w
+    if shared:
+        gemms += ((n, h, up * shared, 1), (n, shared, h, 1))
+    routed = n * k * w + n * shared
+    permute = 4 * e * n * k * h  # tokens copied into expert order and back
+    return gemms, act_f * routed + permute, act_b * routed + permute
+
+
+def _layer(shape, c, b: int, seq: int, moe: bool) -> _Layer:
+    e, t, h = ITEMSIZE[c.dtype], c.tp, shape.hidden
+    n = b * seq // c.cp
+    rows = n / t if c.sp else n  # tokens the norms, dropouts and residuals run on
+    proj, core, core_back = _attention(shape, c, b, seq, e)
+    mlp, act_f, act_b = _mlp(shape, c, n, e, moe)
+    q, k, _, _ = _widths(shape, t)
+    rope = 0.0 if shape.positions else 2 * e * n * (q + k)
+    residual = (3 * e + (1 if shape.dropout else 0)) * rows * h
+    fwd = 2 * (2 * e * rows * h) + 2 * residual + act_f + rope
+    dropout_back = (2 * e + 1) * rows * h if shape.dropout else 0.0
+    bwd = 2 * (3 * e * rows * h) + 2 * (3 * e * rows * h) + 2 * dropout_back + act_b + rope
+    return _Layer(proj + mlp, core, core_back, fwd, bwd)
+
+
+def _passes(layer: _Layer, c) -> Passes:
+    fwd, back, extra = _weights(layer.gemms, c)
+    forward = Compute(fwd, bytes=layer.bytes_fwd, ops=20) + layer.core
+    weight = Compute(back[1::2], bytes=extra)
+    backward = Compute(back, bytes=layer.bytes_bwd + extra, ops=34) + layer.core_back
+    if c.recompute == "block":
+        recompute = forward
+    elif c.recompute == "selective" and not c.flash:
+        recompute = layer.core
+    else:
+        recompute = Compute()
+    return Passes(forward, backward, recompute, weight)
+
+
+def _ends(shape, c, n: int, embed: bool, head: bool) -> Passes:
+    """The embedding (a lookup, positions and dropout; its gradient scattered into fp32) and the head: the
+    final norm, the logits' product, and vocab-parallel cross-entropy in fp32 (upcast, max, exp and sum
+    forward; softmax minus one-hot and the downcast backward)."""
+    e, t, h, v = ITEMSIZE[c.dtype], c.tp, shape.hidden, shape.vocab / c.tp
+    rows = n / t if c.sp else n
+    f = b_ = 0.0
+    fwd_mm: tuple = ()
+    back_mm: tuple = ()
+    if embed:
+        f += e * n * h + (3 * e * rows * h if shape.positions else 0) + ((2 * e + 1) * rows * h if shape.dropout else 0)
+        b_ += (e + 8) * n * h
+    extra = 0.0
+    if head:
+        fwd_mm, back_mm, extra = _weights(((n, h, v, 1),), c)
+        f += 2 * e * rows * h + (e + 20) * n * v
+        b_ += 6 * e * rows * h + (12 + e) * n * v + extra
+    fwd = Compute(fwd_mm, bytes=f, ops=8)
+    weight = Compute(back_mm[1::2], bytes=extra)
+    return Passes(fwd, Compute(back_mm, bytes=b_, ops=8), fwd if c.recompute == "block" else Compute(), weight)
+
+
+def stage_passes(shape, c, b: int, seq: int, dense: int, moe: int, *, embed: bool, head: bool) -> Passes:
+    """A pipeline rank's passes per microbatch: its `dense` and `moe` layers over all its chunks, and the
+    embedding or the head where it holds them."""
+    parts = [_ends(shape, c, b * seq // c.cp, embed, head)]
+    parts += [_scaled(_passes(_layer(shape, c, b, seq, False), c), dense)] if dense else []
+    parts += [_scaled(_passes(_layer(shape, c, b, seq, True), c), moe)] if moe else []
+    return Passes(*(sum((getattr(p, k) for p in parts[1:]), getattr(parts[0], k))
+                    for k in ("forward", "backward", "recompute", "weight")))  # fmt: skip
+
+
+def _scaled(p: Passes, k: int) -> Passes:
+    return Passes(p.forward.scaled(k), p.backward.scaled(k), p.recompute.scaled(k), p.weight.scaled(k))
+
+
+def stage_params(shape, c, dense: int, moe: int, *, embed: bool, head: bool) -> tuple[float, float]:
+    """(parameters outside the experts, expert parameters) one rank of this stage holds."""
+    t = c.tp
+    layer = shape._attention_params() / t
+    outside = dense * (layer + shape._mlp_params(shape.ffn) / t) + moe * (
+        layer + (shape.hidden * shape.experts + shape.shared_experts * shape._mlp_params(shape.moe_ffn) / t)
+    )
+    experts = moe * shape.experts / c.ep * shape._mlp_params(shape.moe_ffn) / t if moe else 0.0
+    if embed:
+        outside += (shape.vocab / t + shape.positions) * shape.hidden
+    if head:
+        outside += shape._norm() + (0 if shape.tied and embed else shape.vocab * shape.hidden / t)
+    return outside, experts
+
+
+def chunk_activation(shape, c, b: int, seq: int, dense: int, moe: int) -> float:
+    """Bytes one microbatch leaves for backward in `dense` and `moe` layers of a chunk (see the module)."""
+    return dense * _kept(shape, c, b, seq, False) + moe * _kept(shape, c, b, seq, True)
+
+
+def _kept(shape, c, b: int, seq: int, moe: bool) -> float:
+    e, t, h = ITEMSIZE[c.dtype], c.tp, shape.hidden
+    n = b * seq // c.cp
+    rows = n / t if c.sp else n
+    if c.recompute == "block":
+        return e * rows * h
+    q, k, v, o = _widths(shape, t)
+    mask = rows * h if shape.dropout else 0.0
+    norms_and_inputs = 2 * e * rows * h + 2 * e * rows * h + 2 * mask  # norm inputs, QKV and MLP inputs
+    attention = e * n * (q + k + v + o)  # q, k, v and the output projection's input
+    scores = b * shape.heads / t * (seq // c.cp) * seq
+    if c.flash:
+        attention += 4 * b * shape.heads / t * (seq // c.cp)  # log-sum-exp per query row
+    elif c.recompute == "none":
+        attention += scores * (e + (1 + e if shape.dropout else 0))
+    width = (shape.moe_ffn * shape.top_k + shape.moe_ffn * shape.shared_experts) if moe else shape.ffn
+    mlp = e * n * width / t * ((2 if shape.gated else 1) + 1)  # activation input(s) and the second matrix's input
+    if moe:
+        mlp += e * n * shape.top_k * h  # tokens in expert order
+    return norms_and_inputs + attention + mlp
+
+
+def head_activation(shape, c, n: int) -> float:
+    """The last stage's fp32 logits, kept by cross-entropy for backward (one microbatch at a time)."""
+    return 4.0 * n * shape.vocab / c.tp
