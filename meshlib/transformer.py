@@ -157,13 +157,13 @@ class ModelShape:
 
     def matmul_params(self) -> int:
         """Weights a token multiplies by in one forward (the experts it is routed to, the head; no embedding)."""
-        h = self.hidden
-        attention = self._attention_params() - 2 * self._norm() - ((self.heads + 2 * self.kv_heads) * self.head_dim
-                                                                  + h if self.bias else 0)  # fmt: skip
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * (self.head_dim + self.v_head_dim)
+        q_proj = self.q_rank * (h + q) if self.q_rank else h * q
+        kv_proj = self.kv_rank * (h + kv) if self.kv_rank else h * kv
+        attention = q_proj + kv_proj + self.heads * self.v_head_dim * h
         width = self.moe_ffn * (self.top_k + self.shared_experts)
-        mlp = (self.layers - self.moe_layers) * _mm_weights(self, self.ffn) + self.moe_layers * (
-            _mm_weights(self, width) + h * self.experts
-        )
+        dense = self.layers - self.moe_layers
+        mlp = dense * _mm_weights(self, self.ffn) + self.moe_layers * (_mm_weights(self, width) + h * self.experts)
         return self.layers * attention + mlp + self.vocab * h
 
     def forward_flops(self, tokens: int, seq: int, *, causal: bool = False) -> float:

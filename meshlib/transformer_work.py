@@ -202,7 +202,7 @@ def _ends(shape, c, n: int, embed: bool, head: bool) -> Passes:
         b_ += 6 * e * rows * h + (12 + e) * n * v + extra
     fwd = Compute(fwd_mm, bytes=f, ops=8)
     weight = Compute(back_mm[1::2], bytes=extra)
-    return Passes(fwd, Compute(back_mm, bytes=b_, ops=8), fwd if c.recompute == "block" else Compute(), weight)
+    return Passes(fwd, Compute(back_mm, bytes=b_, ops=8), Compute(), weight)  # recompute keeps to the layers
 
 
 def stage_passes(shape, c, b: int, seq: int, dense: int, moe: int, *, embed: bool, head: bool) -> Passes:
@@ -220,9 +220,10 @@ def _scaled(p: Passes, k: int) -> Passes:
 
 
 def stage_params(shape, c, dense: int, moe: int, *, embed: bool, head: bool) -> tuple[float, float]:
-    """(parameters outside the experts, expert parameters) one rank of this stage holds."""
-    t = c.tp
-    layer = shape._attention_params() / t
+    """(parameters outside the experts, expert parameters) one rank of this stage holds: tensor parallelism
+    splits the matrices (MLA's down-projections too, an approximation) and leaves the norms whole."""
+    t, norms = c.tp, 2 * shape._norm()
+    layer = (shape._attention_params() - norms) / t + norms
     outside = dense * (layer + shape._mlp_params(shape.ffn) / t) + moe * (
         layer + (shape.hidden * shape.experts + shape.shared_experts * shape._mlp_params(shape.moe_ffn) / t)
     )
