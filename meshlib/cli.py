@@ -136,6 +136,19 @@ def _positive_float(text: str) -> float:
     return value
 
 
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}  # fmt: skip
+
+
+def _bytes(text: str) -> float:
+    """`80GiB`, `24e9`, `40 GB`: a positive number of bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS or not float(m.group(1)) > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes: give e.g. 80GiB, 40GB or 24e9")
+    return float(m.group(1)) * _UNITS[unit]
+
+
 def _checked(check, what: str):
     """An argparse type that keeps the text once `check(text)` accepts it (its ValueError is the message)."""
 
@@ -325,6 +338,19 @@ def parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--all", action="store_true", help="list every collective instead of grouping them")
     plan.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON to this file")
+    auto = plan.add_argument_group(
+        "the planner",
+        "With --auto the search chooses the mesh (dp, tp, pp, ep, cp), ZeRO, recompute, microbatches, schedule,\n"
+        "chunks and the cp method for --devices devices of --profile, --batch and --seq; it prints the best plans,\n"
+        "why each axis is there, the best one's full per-rank plan and the `meshlib run` line that trains it.",
+    )
+    auto.add_argument("--auto", action="store_true", help="search for the fastest plan that fits (needs --profile)")
+    auto.add_argument("--devices", type=_positive, default=None, help="devices to plan for (default: the mesh's)")
+    auto.add_argument(
+        "--device-memory", type=_bytes, default=None, metavar="SIZE",
+        help="memory per device, e.g. 80GiB or 24e9 (default: the profile's)",
+    )  # fmt: skip
+    auto.add_argument("--top", type=_positive, default=5, help="plans to list")
     plan.add_argument(
         "--profile", default=None, metavar="a100|h100|cpu|FILE.json",
         help="predict the step on these devices: time, tokens/s, MFU, and the shares of compute, exposed "

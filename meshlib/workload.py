@@ -46,12 +46,12 @@ class Compute:
     ops: int = 0
 
     def __post_init__(self):
-        merged: dict[tuple[float, float], int] = {}
+        merged: dict[tuple[float, float], int] = {}  # one entry per size, in the order first seen
         for f, b, n in self.matmuls:
             if n:
-                merged[(float(f), float(b))] = merged.get((float(f), float(b)), 0) + int(n)
-        object.__setattr__(self, "matmuls", tuple((f, b, n) for (f, b), n in sorted(merged.items(), reverse=True)))
-        if min(self.flops, self.bytes, self.ops) < 0:
+                merged[(f, b)] = merged.get((f, b), 0) + n
+        object.__setattr__(self, "matmuls", tuple((f, b, n) for (f, b), n in merged.items()))
+        if self.flops < 0 or self.bytes < 0 or self.ops < 0:
             raise ValueError(f"Compute: flops={self.flops}, bytes={self.bytes}, ops={self.ops} must be >= 0")
 
     @property

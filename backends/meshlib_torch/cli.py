@@ -117,6 +117,8 @@ def _compile(args, *, seq: int):
 
 # -- plan ------------------------------------------------------------------------------------
 def plan_main(args) -> Plan:
+    if args.auto:
+        return auto_main(args)
     profile = device_profile(args.profile) if args.profile else None  # a bad name fails before compiling
     compiled, notes = _compile(args, seq=_seq(args))
     plan = compiled.plan.replace(notes=compiled.plan.notes + notes)
@@ -129,6 +131,70 @@ def plan_main(args) -> Plan:
         with open(args.json, "w") as f:
             f.write(plan.to_json(indent=1))
     return plan
+
+
+def auto_main(args) -> Plan:
+    """`meshlib plan --auto`: the search's best plans, why, the best one's full plan and how to run it."""
+    from meshlib.search import search
+
+    from .planner import compile_candidate, model_shape, run_command
+
+    if not args.profile:
+        raise ValueError("--auto predicts step times on some devices: give --profile a100|h100|cpu|FILE.json")
+    profile = device_profile(args.profile)
+    devices = args.devices or Mesh.parse(args.mesh).size
+    seq = _seq(args)
+    model = _subject(args, Mesh(dp=1), seq)[0]
+    found = search(model_shape(model), devices=devices, batch=args.batch, seq=seq, profile=profile,
+                   device_memory=args.device_memory, top=args.top, dtype=_auto_dtype(args, profile))  # fmt: skip
+    show(_candidates_table(found, devices, profile), Table("why this plan", ("", "reason"),
+                                                           [(i + 1, w) for i, w in enumerate(found[0].why)]))
+    limit = args.device_memory or profile.memory
+    for i, cand in enumerate(found):  # the dry run has the last word on memory
+        model, rules, inputs, kwargs, _ = _subject(args, cand.config.mesh, seq)
+        example = {**dict(zip(("tokens", "targets"), inputs)), **kwargs} if kwargs else inputs
+        plan = compile_candidate(model, cand, rules=rules, batch=args.batch, seq=seq, profile=profile,
+                                 example=example)  # fmt: skip
+        if plan.prediction.memory <= limit:
+            break
+        print(f"plan {i + 1} ({cand.mesh}) needs {human_bytes(plan.prediction.memory)} per rank by its dry run, "
+              f"more than {human_bytes(limit)}" + ("; the next:" if i + 1 < len(found) else ""))  # fmt: skip
+    else:
+        raise ValueError(
+            f"none of the {len(found)} best plans fits {human_bytes(limit)} per rank by its dry run (the closed form "
+            "underestimated their activations). Fix: --top with more plans, a smaller --batch or --seq, or more devices"
+        )
+    plan = plan.replace(notes=plan.notes + (("model", args.model), ("batch x seq", f"{args.batch} x {seq}")))
+    show(*[t for t in _plan_tables(plan, grouped=True) if t.title in ("plan", "memory per rank", "predicted step")])
+    if not _own(args):
+        print("\nrun it:\n  " + run_command(cand, model=args.model, batch=args.batch, seq=seq,
+                                             devices_per_node=profile.devices_per_node))  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(plan.to_json(indent=1))
+    return plan
+
+
+def _auto_dtype(args, profile) -> str:
+    if args.precision is not None:
+        return args.precision.param
+    return "bfloat16" if "bfloat16" in dict(profile.flops) else "float32"
+
+
+def _candidates_table(found: list, devices: int, profile) -> Table:
+    rows = []
+    for i, cand in enumerate(found):
+        c, p = cand.config, cand.prediction
+        pipe = f"{c.schedule}" + (f" v={c.chunks}" if c.chunks > 1 else "") if c.pp > 1 else "-"
+        rows.append((
+            i + 1, cand.mesh, c.zero, c.recompute, "on" if c.sp else "off", c.microbatch, pipe,
+            c.cp_method if c.cp > 1 else "-", f"{p.step_time:.4g} s", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",
+            human_bytes(p.memory), f"{p.shares['bubble']:.0%}", human_bytes(p.comm_bytes),
+        ))  # fmt: skip
+    heads = ("#", "mesh", "zero", "recompute", "sp", "mb", "pipeline", "cp", "step", "tokens/s", "MFU", "memory",
+             "bubble", "bytes/rank")  # fmt: skip
+    return Table(f"the best plans for {devices} {profile.name} devices", heads, rows,
+                 "predicted from the closed-form workload (meshlib.transformer); the first is compiled below")
 
 
 def _plan_tables(plan: Plan, *, grouped: bool) -> list:

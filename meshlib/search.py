@@ -1,0 +1,227 @@
+"""The planner's search: which parallelism, in which order, for this model on these devices.
+
+`search(shape, devices=, batch=, seq=, profile=)` tries the meshes the devices factor into (tp inside a
+node, cp, ep for experts, pp, the rest dp), for each the microbatch size, the pipeline schedule and its
+chunks, the cp method, and the pairs of ZeRO level and recompute mode that fit the device's memory and
+are not dominated (recompute none -> selective -> block, each with the lowest ZeRO level that fits, and
+more recompute only where it lets a lower ZeRO level fit: more of either only adds time). Each
+candidate's step is the closed-form workload (`meshlib.transformer.workload`) timed by `meshlib.predict`
+with the schedule's published bubble; a mesh whose best case (its FLOPs at the
+device's best matmul rate, stretched by the bubble) cannot beat the candidates kept so far is skipped.
+What does not divide is never tried. The result is ranked by predicted step time, each candidate with
+its prediction and, for the best, why each axis is there, in the order of the field's decision guide
+(recompute, then dp and ZeRO, then tp, then pp, then ep and cp): what the plan would need or lose
+without it. `exhaustive=True` tries everything instead (every ZeRO level with every recompute mode,
+every microbatch size, schedules and chunks), for checking the search against it.
+
+Example:
+    >>> from meshlib.transformer import ModelShape
+    >>> from meshlib.devices import A100
+    >>> shape = ModelShape(layers=24, hidden=2048, heads=16, ffn=8192, vocab=50304)
+    >>> best = search(shape, devices=16, batch=64, seq=2048, profile=A100)[0]
+    >>> best.config.dp * best.config.tp * best.config.pp * best.config.cp == 16
+    True
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from .devices import DeviceProfile, device_profile
+from .predict import Prediction, predict
+from .simulation import bubble_formula
+from .transformer import Config, ModelShape, workload
+
+__all__ = ["Candidate", "MESHLIB_RUNTIME", "search"]
+
+# how meshlib's torch runtime runs a step, where that changes its time (`transformer.Config`'s flags):
+# fused attention (SDPA), gradient reductions and ZeRO's gathers overlapping compute (hooks, FSDP2),
+# tensor-parallel collectives waiting for their matrix products
+MESHLIB_RUNTIME = {"flash": True, "dp_overlap": True, "tp_overlap": "none"}
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A configuration that fits, its predicted step, and (for the best ones) why each axis is there."""
+
+    config: Config
+    prediction: Prediction
+    why: tuple[str, ...] = field(default=())
+
+    @property
+    def mesh(self) -> str:
+        c = self.config
+        return ",".join(f"{a}={n}" for a, n in (("pp", c.pp), ("dp", c.dp), ("cp", c.cp), ("ep", c.ep), ("tp", c.tp))
+                        if n > 1) or "dp=1"  # fmt: skip
+
+
+def search(
+    shape: ModelShape, /, *, devices: int, batch: int, seq: int, profile: DeviceProfile | str,
+    device_memory: float | None = None, dtype: str = "bfloat16", top: int = 10, exhaustive: bool = False,
+    runtime: dict | None = None,
+) -> list[Candidate]:  # fmt: skip
+    """The `top` configurations of `shape` on `devices` devices of `profile` for a step of `batch` sequences
+    of `seq` tokens that fit `device_memory` bytes per device (default: the profile's), fastest first. Raises
+    ValueError, naming the smallest need, when none fits."""
+    profile = device_profile(profile)
+    memory = float(device_memory or profile.memory)
+    run = {**MESHLIB_RUNTIME, **(runtime or {})}
+    _check(shape, devices, batch, seq)
+    kept: list[tuple[float, int, Candidate]] = []  # a max-heap of the best `top` by step time (negated)
+    best_of: dict[tuple, Candidate] = {}  # the best per mesh (tp, pp, cp, ep), for the explanations
+    tight = [math.inf]  # the smallest memory any tried configuration needed
+    count = itertools.count()
+    for bound, mesh, b, sched in sorted(_skeletons(shape, devices, batch, seq, profile, exhaustive)):
+        limit = -kept[0][0] if len(kept) >= top else math.inf
+        if bound > limit and not exhaustive:
+            continue
+        for cand in _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exhaustive, tight):
+            key = mesh[:4]
+            t = cand.prediction.step_time
+            if key not in best_of or t < best_of[key].prediction.step_time:
+                best_of[key] = cand
+            heapq.heappush(kept, (-t, next(count), cand))
+            if len(kept) > top:
+                heapq.heappop(kept)
+    if not kept:
+        need = f"; the least any configuration needs is {tight[0] / GIB:.1f} GiB" if tight[0] < math.inf else ""
+        raise ValueError(
+            f"no configuration of this model fits {devices} devices of {memory / GIB:.1f} GiB at batch {batch} x "
+            f"seq {seq}{need}. Fix: more devices, a smaller batch or sequence, or devices with more memory"
+        )
+    ranked = [c for _, _, c in sorted(kept, key=lambda k: (-k[0], k[1]))]
+    return [ranked[0].__class__(ranked[0].config, ranked[0].prediction, _why(ranked[0], best_of, shape, memory))] + \
+        ranked[1:]  # fmt: skip
+
+
+# -- what is tried ----------------------------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check(shape: ModelShape, devices: int, batch: int, seq: int) -> None:
+    bad = [f"{k}={v!r}" for k, v in (("devices", devices), ("batch", batch), ("seq", seq))
+           if not isinstance(v, int) or isinstance(v, bool) or v < 1]  # fmt: skip
+    if bad:
+        raise ValueError(f"search: {', '.join(bad)} must be whole numbers >= 1")
+
+
+def _meshes(shape: ModelShape, devices: int, seq: int, node: int):
+    """(tp, pp, cp, ep, dp) whose product is `devices`: tp within a node dividing the heads, cp cutting the
+    sequence into 2·cp equal chunks (head-tail), ep dividing the experts, pp at most the layers."""
+    for tp in _divisors(devices):
+        if tp > node or shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
+            continue
+        for cp in _divisors(devices // tp):
+            if cp > 1 and (seq % (2 * cp * tp) or cp > 64):
+                continue
+            for ep in _divisors(devices // (tp * cp)) if shape.experts else (1,):
+                if ep > 1 and shape.experts % ep:
+                    continue
+                for pp in _divisors(devices // (tp * cp * ep)):
+                    if pp <= shape.layers:
+                        yield tp, pp, cp, ep, devices // (tp * cp * ep * pp)
+
+
+def _schedules(shape: ModelShape, pp: int, m: int, exhaustive: bool):
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    yield "1f1b", 1
+    if exhaustive:
+        yield "gpipe", 1
+    for v in (2, 3, 4, 6, 8) if exhaustive else (2, 4):
+        if pp * v <= shape.layers and m % pp == 0:
+            yield "interleaved-1f1b", v
+    if m >= pp:
+        yield "zb-h1", 1
+    if m >= 2 * pp - 1 and 2 * pp <= shape.layers:
+        yield "zbv", 2
+
+
+def _skeletons(shape, devices, batch, seq, profile, exhaustive):
+    """(a lower bound on the step time, mesh, microbatch size, (schedule, chunks)) for every skeleton."""
+    ideal = 3 * shape.forward_flops(batch * seq, seq) / devices / (profile.flops_per_s("bfloat16")
+                                                                    * profile.matmul_efficiency)  # fmt: skip
+    for mesh in _meshes(shape, devices, seq, profile.devices_per_node):
+        tp, pp, cp, ep, dp = mesh
+        if batch % (dp * ep):
+            continue
+        per = batch // (dp * ep)
+        for b in _divisors(per):
+            if not exhaustive and b > 16:
+                break
+            m = per // b
+            for sched in _schedules(shape, pp, m, exhaustive):
+                bubble = bubble_formula(sched[0], pp, m, sched[1] if sched[1] > 1 else None) if pp > 1 else 0.0
+                yield ideal / (1 - bubble), mesh, b, sched
+
+
+def _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exhaustive, tight):
+    """The candidates of one skeleton that fit: per cp method and recompute mode, the lowest ZeRO level."""
+    tp, pp, cp, ep, dp = mesh
+    methods = ("ring",) if cp == 1 else ("ring", "all-gather") + (
+        ("all-to-all",) if shape.heads % (cp * tp) == 0 and shape.kv_heads % (cp * tp) == 0 else ())
+    split = sched[0] in ("zb-h1", "zbv")
+    modes = ("none",) if split else ("none", "selective", "block")
+    zeros = (0, 1, 2, 3) if dp * cp * ep > 1 else (0,)
+    for method in methods:
+        below = len(zeros)  # more recompute is worth trying only at a lower ZeRO level than the last one fitted
+        for mode in modes:
+            for i, zero in enumerate(zeros[:below] if not exhaustive else zeros):
+                config = Config(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, zero=zero, recompute=mode, sp=tp > 1,
+                                microbatch=b, schedule=sched[0], chunks=sched[1], cp_method=method, dtype=dtype,
+                                **run)  # fmt: skip
+                w = workload(shape, config, batch=batch, seq=seq)
+                need = max(s.memory for s in w.stages)
+                tight[0] = min(tight[0], need)
+                if need <= memory:
+                    yield Candidate(config, predict(w, profile, simulate_pipeline=False))
+                    below = i
+                    if not exhaustive:
+                        break
+
+
+# -- why --------------------------------------------------------------------------------------------------
+def _why(best: Candidate, best_of: dict, shape: ModelShape, memory: float) -> tuple[str, ...]:
+    """Each axis and option of `best`, in the decision guide's order, with what the plan would need or lose
+    without it (the best plan found with that axis otherwise)."""
+    c, t = best.config, best.prediction.step_time
+    out = [f"model state with mixed-precision Adam: {16 * shape.params() / GIB:,.0f} GiB in all (16 bytes a "
+           f"parameter); each device holds {memory / GIB:.0f} GiB"]  # fmt: skip
+    out.append(_recompute_line(c, best))
+    out.append(f"dp={c.dp}" + (f" with ZeRO-{c.zero}" if c.zero else " (ZeRO-0: the model state fits whole)")
+               + f": {best.prediction.memory / GIB:.1f} GiB per rank")  # fmt: skip
+    for axis in ("tp", "pp", "ep", "cp"):
+        out.append(_axis_line(axis, c, t, best_of, shape))
+    return tuple(out)
+
+
+def _recompute_line(c: Config, best: Candidate) -> str:
+    if c.recompute == "none":
+        return "recompute: not needed, the activations fit"
+    return f"recompute={c.recompute}: without it the activations do not fit beside the model state"
+
+
+def _axis_line(axis: str, c: Config, t: float, best_of: dict, shape: ModelShape) -> str:
+    n = getattr(c, axis)
+    if axis == "ep" and not shape.experts:
+        return "ep: not a mixture-of-experts model"
+    index = {"tp": 0, "pp": 1, "cp": 2, "ep": 3}[axis]
+    others = [cand for key, cand in best_of.items() if key[index] != n]
+    smaller = [cand for key, cand in best_of.items() if key[index] < n]
+    if n > 1:
+        if not smaller:
+            return f"{axis}={n}: no plan with less {axis} fits"
+        alt = min(smaller, key=lambda x: x.prediction.step_time)
+        return (f"{axis}={n}: the best plan with {axis}={getattr(alt.config, axis)} ({alt.mesh}) is "
+                f"{alt.prediction.step_time / t - 1:.0%} slower")  # fmt: skip
+    if not others:
+        return f"{axis}: not needed (no plan with {axis} > 1 fits or divides)"
+    alt = min(others, key=lambda x: x.prediction.step_time)
+    return (f"{axis}: not needed; the best plan with {axis}={getattr(alt.config, axis)} ({alt.mesh}) is "
+            f"{alt.prediction.step_time / t - 1:.0%} slower")  # fmt: skip
