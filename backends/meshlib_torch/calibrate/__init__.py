@@ -33,6 +33,8 @@ from .measure import measure
 
 __all__ = ["Calibration", "calibrate", "calibrate_main", "measurements_path", "write"]
 
+_QUIET = 0.2  # above this share of the busy CPU taken by other processes, the command says the figures suffer
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -83,4 +85,8 @@ def calibrate_main(args) -> Calibration:
     write(cal, path)
     show(*tables(cal))
     print(f"\nwrote {path} (raw measurements: {measurements_path(path)})")
+    others = cal.measurements["machine"].get("other_cpu", -1.0)
+    if others > _QUIET:
+        say(f"other processes took {others:.0%} of the busy CPU while calibrating, so these figures are slower "
+            "than this machine's own; run it again when the machine is quiet")  # fmt: skip
     return cal

@@ -24,8 +24,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def message_sizes(quick: bool) -> tuple[int, ...]:
-    """Payload bytes per rank: 1 KiB to 64 MiB by factors of 4 (quick: by factors of 64, to 16 MiB)."""
-    return tuple(1 << p for p in (range(10, 25, 6) if quick else range(10, 27, 2)))
+    """Payload bytes per rank: 1 KiB to 64 MiB by factors of 4 (quick: 1 KiB to 4 MiB by factors of 16)."""
+    return tuple(1 << p for p in (range(10, 23, 4) if quick else range(10, 27, 2)))
 
 
 def _call(kind: str, nbytes: int):
@@ -66,7 +66,8 @@ def collective_times(sizes, kinds=KINDS, *, target: float = 0.02, batches: int =
     round trip). Per kind and size: one warm-up call, whose slowest time over the ranks (an all-reduce, so
     every rank agrees) sets the calls per batch, about `target` seconds of them (at least one); then
     `batches` batches (3 when a call takes over 0.1 s), each started by a barrier. The caller takes, per
-    batch, the slowest rank's mean, then the median over batches: the time a collective keeps its ranks."""
+    batch, the slowest rank's mean (the time a collective keeps its ranks), then the fastest batch and the
+    median one (see `compute.timed`)."""
     torch.set_num_threads(1)
     rows = []
     for kind in kinds:

@@ -2,12 +2,15 @@
 
 Every function here runs on a rank of `meshlib_torch.testing.pool` (one torch thread, as every rank has:
 `torch.set_num_threads(1)`, the pool's and torchrun's `OMP_NUM_THREADS=1`) and returns plain data. The
-timing rule, `timed`, is shared by all of them and by `collectives`: one warm-up call, then batches of
-back-to-back calls that last about `target` seconds each, and the median over batches of the time per call.
+timing rule, `timed`, is shared by all of them: a warm-up call, then batches of back-to-back calls that
+last about `target` seconds each; the time per call of the fastest batch and of the median one. The
+profile is fitted to the fastest: on a shared machine other processes only ever add time, so the fastest
+batch is the one they disturbed least (on a quiet machine the two are within a few percent; the raw
+measurements keep both, and the spread between them says how quiet it was).
 
 - `matmul_times`: a matrix product's time by size, dtype and operand layout (torch.mm on square shapes and
   on the three products of a transformer's linear layer: forward, input gradient, weight gradient);
-- `memory_times`: elementwise ops (copy, add, mul) on tensors far larger than the caches;
+- `memory_times`: elementwise ops (copy, add, mul) from cache-sized to memory-sized tensors;
 - `host_times`: tiny ops, where the time is Python, the dispatcher and autograd, not arithmetic;
 - `busy_compute`: one fixed job, every rank of the pool at once, to see ranks share the cores.
 """
@@ -27,15 +30,19 @@ DTYPES = ("float32", "float64", "bfloat16")
 LAYOUTS = ("nn", "nt", "tn")  # nn: dX = dY @ W; nt: y = x @ W.T (F.linear); tn: dW = dY.T @ x
 
 
-def timed(fn, *, target: float = 0.02, batches: int = 5, max_call: float = float("inf")) -> float | None:
-    """Median seconds per call of `fn()`: one warm-up call (which also estimates the time), then
-    `batches` batches of back-to-back calls lasting about `target` seconds each (at least one call),
-    the median of their means. None, after the warm-up only, when one call took more than `max_call`."""
+def timed(fn, *, target: float = 0.02, batches: int = 5, max_call: float = float("inf")):
+    """(fastest, median) seconds per call of `fn()` over `batches` batches: one warm-up call, an estimate
+    (calls for at least 1 ms), then each batch back-to-back calls for about `target` seconds (at least
+    one call), its mean. None, after the warm-up only, when that call took more than `max_call` seconds."""
     start = time.perf_counter()
     fn()
-    estimate = time.perf_counter() - start
-    if estimate > max_call:
+    if time.perf_counter() - start > max_call:
         return None
+    calls, start = 0, time.perf_counter()
+    while calls == 0 or time.perf_counter() - start < 1e-3:
+        fn()
+        calls += 1
+    estimate = (time.perf_counter() - start) / calls
     reps = max(1, min(100_000, round(target / max(estimate, 1e-7))))
     means = []
     for _ in range(batches):
@@ -43,7 +50,7 @@ def timed(fn, *, target: float = 0.02, batches: int = 5, max_call: float = float
         for _ in range(reps):
             fn()
         means.append((time.perf_counter() - start) / reps)
-    return statistics.median(means)
+    return min(means), statistics.median(means)
 
 
 def _pin() -> None:
@@ -75,7 +82,7 @@ def _operands(layout: str, m: int, k: int, n: int, dtype: torch.dtype):
 
 
 def matmul_times(shapes, dtypes=DTYPES, *, target: float = 0.02, batches: int = 5, max_call: float = 0.3) -> list:
-    """Seconds per matrix product, as `(dtype, family, layout, m, k, n, seconds)` rows.
+    """Seconds per matrix product, as `(dtype, family, layout, m, k, n, fastest, median)` rows.
 
     Each product is `torch.mm(a, b)` on operands laid out as the layer holds them (`matmul_shapes`), timed by
     `timed`. Within a dtype, family and layout, shapes go smallest first; once one call takes more than
@@ -92,34 +99,45 @@ def matmul_times(shapes, dtypes=DTYPES, *, target: float = 0.02, batches: int = 
             if t is None:
                 slow.add((name, family, layout))
                 continue
-            rows.append((name, family, layout, m, k, n, t))
+            rows.append((name, family, layout, m, k, n, *t))
     return rows
 
 
 MEMORY_OPS = ("copy", "add_out", "add", "mul", "scale")
+MEMORY_SIZES = (1 << 18, 1 << 20, 1 << 22, 1 << 25)  # fp32 elements: 1, 4, 16 and 128 MiB tensors
 
 
-def memory_times(numel: int = 1 << 25, *, batches: int = 5) -> dict[str, tuple[float, int]]:
-    """`{op: (seconds per call, bytes it reads and writes)}` of elementwise ops on fp32 tensors of `numel`
-    elements (128 MiB at the default: four times the L3 cache of this machine, so each op streams from
-    memory). `copy`: out.copy_(a); `add_out`: torch.add(a, b, out=out); `add`, `mul`: a + b, a * b as a
-    model computes them (a new tensor each call, from the allocator); `scale`: a * 2.0 (new tensor).
-    One warm-up call each, then the median of `batches` single calls (`timed` with a zero target)."""
+def memory_times(sizes=MEMORY_SIZES, *, batches: int = 5) -> list[tuple[str, int, float, float, int]]:
+    """Elementwise ops on fp32 tensors of each size, as `(op, numel, fastest, median seconds per call,
+    bytes it reads and writes)` rows. `copy`: out.copy_(a); `add_out`: torch.add(a, b, out=out) (tensors
+    kept: streaming); `add`, `mul`: a + b, a * b as a model computes them (a new tensor each call);
+    `scale`: a * 2.0 (new tensor). This machine's caches: 1 MiB L2 per core, 32 MiB L3; tensors of 16 MiB
+    (three of them: 48 MiB) stream from memory, and above 32 MiB glibc maps every new tensor afresh (page
+    faults on first touch). Each by `timed`: batches of about 10 ms, the fastest and the median."""
     _pin()
+    rows = []
+    for numel in sizes:
+        ops = _elementwise(numel)
+        rows += [(op, numel, *timed(fn, target=0.01, batches=batches), nbytes) for op, (fn, nbytes) in ops.items()]
+    return rows
+
+
+def _elementwise(numel: int) -> dict:
+    """`{op: (a no-argument function, bytes it reads and writes)}` on fp32 tensors of `numel` elements."""
     a, b, out = torch.rand(numel), torch.rand(numel), torch.empty(numel)
     size = numel * 4
-    ops = {
+    return {
         "copy": (lambda: out.copy_(a), 2 * size),
         "add_out": (lambda: torch.add(a, b, out=out), 3 * size),
         "add": (lambda: a + b, 3 * size),
         "mul": (lambda: a * b, 3 * size),
         "scale": (lambda: a * 2.0, 2 * size),
     }
-    return {name: (timed(fn, target=0.0, batches=batches), nbytes) for name, (fn, nbytes) in ops.items()}
 
 
-def host_times(*, chain: int = 200, target: float = 0.02, batches: int = 5) -> dict[str, float]:
-    """Seconds of host time per op, on tensors of 8 elements (the arithmetic is a few nanoseconds):
+def host_times(*, chain: int = 200, target: float = 0.02, batches: int = 5) -> dict[str, tuple[float, float]]:
+    """`{what: (fastest, median) seconds}` of host time per op, on tensors of 8 elements (the arithmetic
+    takes nanoseconds):
 
     - `op`: `x + y` without autograd (Python, the dispatcher, the allocator);
     - `op_grad`: `x * y` with `x` requiring grad, as a training forward runs (autograd records a node);
@@ -137,7 +155,7 @@ def host_times(*, chain: int = 200, target: float = 0.02, batches: int = 5) -> d
         out["op_grad"] = timed(lambda: xg * y, target=target, batches=batches)
         forward = timed(lambda: _chain(xg, y, chain), target=target, batches=batches)
         both = timed(lambda: _chain(xg, y, chain).sum().backward(), target=target, batches=batches)
-    out["backward_op"] = max(0.0, both - forward) / chain
+    out["backward_op"] = tuple(max(0.0, t - f) / chain for t, f in zip(both, forward))
     return out
 
 
@@ -147,30 +165,37 @@ def _chain(x: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:
     return x
 
 
-def busy_compute(alone: bool, *, m: int = 512, k: int = 512, n: int = 2048, reps: int = 10,
-                 numel: int = 1 << 24) -> dict | None:  # fmt: skip
+def busy_compute(alone: bool, *, m: int = 512, k: int = 512, n: int = 2048, reps: int = 10, rounds: int = 3,
+                 numel: int = 1 << 24) -> list[dict] | None:  # fmt: skip
     """Every rank of the pool computes at once (or rank 0 `alone`, while the others return at once and wait,
-    idle, for their next job). After a barrier, each runs `reps` products x @ W.T of (m, k) by (n, k) in fp32
-    (the `linear` forward: 2·m·k·n FLOPs each), then `reps` fresh `a + b` of `numel` fp32 elements (64 MiB
-    each at the default); returns this rank's seconds for each, and the FLOPs and bytes they are. The caller
-    compares the slowest rank (the one a synchronous step waits for) with one rank alone. One warm-up call
-    of each before the barrier."""
+    idle, for their next job). In each of `rounds` rounds, after a barrier, each runs `reps` products x @ W.T
+    of (m, k) by (n, k) in fp32 (the `linear` forward: 2·m·k·n FLOPs each), then `reps` fresh `a + b` of
+    `numel` fp32 elements (64 MiB each at the default), then 500·`reps` tiny `x * y` under autograd (host
+    time per op). Returns, per round, this rank's seconds for each and the FLOPs, bytes and ops they are; the
+    caller takes the slowest rank of a round (the one a synchronous step waits for) and the fastest round.
+    One warm-up call of each first."""
     if alone and dist.get_rank() > 0:
         return None
     _pin()
     x, w = torch.randn(m, k), torch.randn(n, k)
     a, b = torch.rand(numel), torch.rand(numel)
-    torch.mm(x, w.t())
-    a + b
-    if not alone:
-        dist.barrier()
-    start = time.perf_counter()
-    for _ in range(reps):
-        torch.mm(x, w.t())
-    matmul = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(reps):
-        a + b
-    memory = time.perf_counter() - start
-    return {"matmul": matmul, "matmul_flops": 2.0 * m * k * n * reps, "memory": memory,
-            "memory_bytes": 3.0 * numel * 4 * reps}  # fmt: skip
+    xg, y = torch.rand(8, requires_grad=True), torch.rand(8)
+    jobs = {
+        "matmul": (lambda: torch.mm(x, w.t()), reps, 2.0 * m * k * n),
+        "memory": (lambda: a + b, reps, 3.0 * numel * 4),
+        "host": (lambda: xg * y, 500 * reps, 1.0),
+    }
+    out = []
+    with torch.enable_grad():
+        for fn, _, _ in jobs.values():
+            fn()
+        for _ in range(rounds):
+            if not alone:
+                dist.barrier()
+            out.append({})
+            for what, (fn, calls, work) in jobs.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                out[-1] |= {what: time.perf_counter() - start, f"{what}_work": work * calls}
+    return out

@@ -1,15 +1,16 @@
 """From raw measurements (`measure.measure`) to a `DeviceProfile`: one set of constants for this host's ranks.
 
-Each figure is read off its own micro-benchmark, never off a training configuration:
+Each figure is read off its own micro-benchmark, never off a training configuration, and from the fastest
+batch of each measurement (`compute.timed`: the one other processes disturbed least):
 
 - **matrix products**: per dtype, the time of a product of f FLOPs less the host's dispatch of one
   (`host["matmul"]`) is fitted as `(f + half) / rate` (weighted least squares on relative error: the
   saturating curve `f / (f + half)` of `DeviceProfile.matmul_fraction`); `matmul_efficiency` is float32's
   `rate` over the best float32 throughput any product reached, `matmul_half` float32's `half`, and each
   dtype's `flops` its `rate / matmul_efficiency`, so that a large product of every dtype runs at its own rate;
-- **memory**: `memory_bandwidth` is the best streaming rate (copy or add into a kept tensor),
-  `memory_efficiency` what elementwise ops reach as a model runs them (fresh tensors), the median of add,
-  mul and scale, over that;
+- **memory**: `memory_bandwidth` is the best streaming rate (copy or add into kept tensors of 128 MiB),
+  `memory_efficiency` what elementwise ops reach as a model runs them (fresh tensors of 16 MiB), the median
+  of add, mul and scale, over that (`fit_memory`);
 - **host**: `host_per_op` is the mean of a tiny op's forward under autograd and its share of backward;
 - **cores**: the whole number c for which `min(1, c / N)`, the time model's share of a core, is closest to
   one rank's speed alone over the slowest rank's when N compute at once;
@@ -52,7 +53,7 @@ def fit_matmul(rows, host: float) -> dict[str, dict]:
     per row the fitted time over the measured, `(family, layout, flops, measured s, fitted s)`."""
     out = {}
     for dtype in dict.fromkeys(r[0] for r in rows):
-        mine = [(2.0 * m * k * n, t, family, layout) for d, family, layout, m, k, n, t in rows if d == dtype]
+        mine = [(2.0 * m * k * n, t, family, layout) for d, family, layout, m, k, n, t, _ in rows if d == dtype]
         device = [(f, max(t - host, t * 0.05)) for f, t, _, _ in mine]
         rate, half = saturating(device)
         fitted = [(fam, lay, f, t, host + (f + half) / rate) for f, t, fam, lay in mine]
@@ -62,8 +63,8 @@ def fit_matmul(rows, host: float) -> dict[str, dict]:
 
 def fit_cores(busy: dict, cores_max: int) -> tuple[int, dict[int, float]]:
     """(cores, {N: one rank's speed alone over the slowest rank's with N at once}) for the products."""
-    alone = busy["1"]["matmul"]
-    speed = {int(n): alone / b["matmul"] for n, b in busy.items()}
+    alone = busy["1"]["matmul"][0]
+    speed = {int(n): alone / b["matmul"][0] for n, b in busy.items()}
     error = lambda c: sum(math.log(s / min(1.0, c / n)) ** 2 for n, s in speed.items())  # noqa: E731
     return min(range(1, max(cores_max, 1) + 1), key=error), speed
 
@@ -109,20 +110,26 @@ def _link_at(points, kinds, cores: int, gamma: float) -> dict:
             "points": [(*p, float(f)) for p, f in zip(points, fitted)]}  # fmt: skip
 
 
-def fit_memory(memory: dict) -> tuple[float, float]:
-    """(memory_bandwidth, memory_efficiency) from `{op: (seconds, bytes)}`."""
-    rate = {op: nbytes / t for op, (t, nbytes) in memory.items()}
-    peak = max(rate[op] for op in ("copy", "add_out"))
-    return peak, min(1.0, statistics.median(rate[op] for op in ("add", "mul", "scale")) / peak)
+def fit_memory(rows) -> tuple[float, float]:
+    """(memory_bandwidth, memory_efficiency) from `(op, numel, fastest, median seconds, bytes)` rows: the best streaming
+    rate (copy or add into kept tensors) on the largest tensors, and over it the median rate of the ops that
+    make fresh tensors (add, mul, scale) at 16 MiB (4M elements; the largest measured when smaller), the
+    size of a mid-size run's activations: past the caches, below glibc's threshold for mapping each anew."""
+    largest = max(numel for _, numel, *_ in rows)
+    mid = max(numel for _, numel, *_ in rows if numel <= 1 << 22)
+    rate = {(op, numel): nbytes / t for op, numel, t, _, nbytes in rows}
+    peak = max(rate[(op, largest)] for op in ("copy", "add_out"))
+    fresh = statistics.median(rate[(op, mid)] for op in ("add", "mul", "scale"))
+    return peak, min(1.0, fresh / peak)
 
 
 def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
     """The profile of measurements `m`, and every fit (for the report and the sidecar)."""
-    host = m["host"]
+    host = {k: fastest for k, (fastest, _) in m["host"].items()}
     mm = fit_matmul(m["matmul"], host["matmul"])
     efficiency = min(1.0, mm["float32"]["rate"] / mm["float32"]["best"])
     cores, speed = fit_cores(m["busy"], m["machine"]["cores"])
-    comm = fit_link([tuple(p) for p in m["collectives"]], cores)
+    comm = fit_link([tuple(p[:4]) for p in m["collectives"]], cores)
     top = max(comm["bandwidth"].values())
     link = Link("loopback", alpha=comm["alpha"], bandwidth=top,
                 efficiency=tuple((k, b / top) for k, b in comm["bandwidth"].items()))  # fmt: skip

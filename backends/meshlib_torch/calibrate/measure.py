@@ -41,9 +41,10 @@ def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> di
     out["matmul"] = _rank0(first, compute.matmul_times, shapes, target=target, batches=batches,
                            max_call=0.15 if quick else 0.3)  # fmt: skip
     say("elementwise ops and host time per op on one rank")
-    out["memory"] = _rank0(first, compute.memory_times, 1 << 24 if quick else 1 << 25, batches=batches)
+    sizes = compute.MEMORY_SIZES[:-1] if quick else compute.MEMORY_SIZES
+    out["memory"] = _rank0(first, compute.memory_times, sizes, batches=batches)
     out["host"] = _rank0(first, compute.host_times, target=target, batches=batches)
-    reps = 5 if quick else 20
+    reps = 4 if quick else 10
     out["busy"] = {"1": _busy(first, True, reps)}
     out["collectives"] = []
     sizes = collectives.message_sizes(quick)
@@ -51,7 +52,7 @@ def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> di
         pool = get_pool(n)
         say(f"{n} ranks computing at once; collectives over {n} ranks")
         out["busy"][str(n)] = _busy(pool, False, reps)
-        rows = pool.run(collectives.collective_times, sizes, target=target, batches=batches, timeout=_TIMEOUT)
+        rows = pool.run(collectives.collective_times, sizes, target=target, batches=5, timeout=_TIMEOUT)
         out["collectives"] += _slowest(rows, n)
     out["seconds"] = time.perf_counter() - started
     out["machine"]["other_cpu"] = _others_share(before)
@@ -63,17 +64,23 @@ def _rank0(pool, fn, *args, **kwargs):
 
 
 def _busy(pool, alone: bool, reps: int) -> dict:
-    """The reference job's slowest rank: seconds of products and of elementwise ops, and the work they are."""
+    """The reference job (`compute.busy_compute`): per round the slowest rank, then `{what: (fastest round,
+    median round) seconds}` and `{what_work: the FLOPs, bytes or ops each round is}`."""
     results = [r for r in pool.run(compute.busy_compute, alone, reps=reps, timeout=_TIMEOUT) if r is not None]
-    return {k: max(r[k] for r in results) for k in results[0]}
+    rounds = [{k: max(rank[i][k] for rank in results) for k in results[0][i]} for i in range(len(results[0]))]
+    out = {}
+    for key in rounds[0]:
+        times = [r[key] for r in rounds]
+        out[key] = times[0] if key.endswith("_work") else (min(times), statistics.median(times))
+    return out
 
 
 def _slowest(rows_per_rank: list, n: int) -> list:
-    """`[kind, n, bytes, seconds]`: per batch the slowest rank's mean, then the median over batches."""
+    """`[kind, n, bytes, fastest, median]`: per batch the slowest rank's mean, then over the batches."""
     out = []
     for i, (kind, nbytes, _) in enumerate(rows_per_rank[0]):
-        batches = zip(*(rows[i][2] for rows in rows_per_rank))
-        out.append([kind, n, nbytes, statistics.median(max(b) for b in batches)])
+        batches = [max(b) for b in zip(*(rows[i][2] for rows in rows_per_rank))]
+        out.append([kind, n, nbytes, min(batches), statistics.median(batches)])
     return out
 
 

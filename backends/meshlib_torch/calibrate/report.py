@@ -71,12 +71,20 @@ def _matmul(cal) -> Table:
 
 def _memory_host(cal) -> Table:
     m = cal.measurements
-    rows = [(f"elementwise {op}", f"{nbytes / t / 1e9:.2f} GB/s", human_bytes(nbytes)) for op, (t, nbytes) in
-            m["memory"].items()]  # fmt: skip
+    sizes = sorted({numel for _, numel, *_ in m["memory"]})
+    rate = {(op, numel): nbytes / t for op, numel, t, _, nbytes in m["memory"]}
+    ops = dict.fromkeys(op for op, *_ in m["memory"])
+    rows = [(f"elementwise {op}, GB/s", *(f"{rate[(op, n)] / 1e9:.2f}" for n in sizes)) for op in ops]
     what = {"op": "tiny x + y, no autograd", "matmul": "tiny torch.mm, no autograd",
             "op_grad": "tiny x * y under autograd", "backward_op": "backward, per op of a chain"}  # fmt: skip
-    rows += [(f"host: {what.get(k, k)}", f"{v * 1e6:.2f} us", "") for k, v in m["host"].items()]
-    return Table("memory and host time, one rank", ("benchmark", "measured", "bytes moved per call"), rows)
+    pad = ("",) * (len(sizes) - 1)
+    rows += [(f"host: {what.get(k, k)}, us", f"{v[0] * 1e6:.2f}", *pad) for k, v in m["host"].items()]
+    return Table(
+        "memory traffic and host time on one rank",
+        ("benchmark", *(f"{human_bytes(4 * n)} tensors" for n in sizes)),
+        rows,
+        "copy, add_out: kept tensors; add, mul, scale: a new tensor each call, as a model makes them",
+    )
 
 
 def _cores(cal) -> Table:
@@ -85,30 +93,37 @@ def _cores(cal) -> Table:
     rows = []
     for n, b in sorted(busy.items(), key=lambda kv: int(kv[0])):
         k = int(n)
-        rows.append((k, f"{alone['matmul'] / b['matmul']:.3f}", f"{min(1.0, cores / k):.3f}",
-                     f"{alone['memory'] / b['memory']:.3f}", f"{k * alone['matmul'] / b['matmul']:.2f}"))  # fmt: skip
+        speed = {what: alone[what][0] / b[what][0] for what in ("matmul", "memory", "host")}
+        rows.append((k, f"{min(1.0, cores / k):.3f}", *(f"{v:.3f}" for v in speed.values()),
+                     f"{k * speed['matmul']:.2f}"))  # fmt: skip
     return Table(
         "N ranks computing at once: each one's speed against one rank alone (the slowest rank)",
-        ("N", "products: measured", f"model min(1, {cores}/N)", "fresh a + b: measured", "products: total x one"),
+        ("N", f"model: min(1, {cores}/N)", "products", "fresh a + b", "tiny ops (host)", "products: N x speed"),
         rows,
-        "products: fp32 x @ W.T of 512x512 by 2048x512; fresh a + b of 64 MiB",
+        "products: fp32 x @ W.T of 512x512 by 2048x512; fresh a + b of 64 MiB; tiny x * y under autograd",
     )
+
+
+_COMM_COLUMNS = ("kind", "ranks", "smallest", "largest", "payload GB/s (largest)", "fitted/measured median (range)",
+                 "median/fastest batch (max)")  # fmt: skip
 
 
 def _collectives(cal) -> Table:
     link = cal.fits["link"]
     groups = defaultdict(list)
+    median = {tuple(p[:3]): p[4] for p in cal.measurements["collectives"]}
     for kind, n, nbytes, t, fitted in link["points"]:
-        groups[(kind, n)].append((nbytes, t, fitted))
+        groups[(kind, n)].append((nbytes, t, fitted, median[(kind, n, nbytes)] / t))
     rows = []
     for (kind, n), pts in sorted(groups.items()):
         pts.sort()
-        (b0, t0, _), (b1, t1, _) = pts[0], pts[-1]
+        (b0, t0, *_), (b1, t1, *_) = pts[0], pts[-1]
         rows.append((kind, n, f"{human_bytes(b0)}: {t0 * 1e3:.3f} ms", f"{human_bytes(b1)}: {t1 * 1e3:.1f} ms",
-                     f"{b1 / t1 / 1e9:.3f}", _ratios([(t, f) for _, t, f in pts])))  # fmt: skip
+                     f"{b1 / t1 / 1e9:.3f}", _ratios([(t, f) for _, t, f, _ in pts]),
+                     f"{max(p[3] for p in pts):.2f}"))  # fmt: skip
     return Table(
-        "collectives (gloo, this host): time per call, the slowest rank",
-        ("kind", "ranks", "smallest", "largest", "payload GB/s (largest)", "fitted/measured median (range)"),
+        "collectives (gloo, this host): time per call, the slowest rank, the fastest batch",
+        _COMM_COLUMNS,
         rows,
         f"fitted: steps x {link['alpha'] * 1e6:.1f} us + bus bytes / bandwidth[kind], x (N/cores)^{link['gamma']:.2f} "
         "for N > cores; payload as a plan counts it (all-gather: the gathered result)",
