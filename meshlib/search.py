@@ -2,9 +2,9 @@
 
 `search(shape, devices=, batch=, seq=, profile=)` tries the meshes the devices factor into (tp inside a
 node, cp, ep for experts, pp, the rest dp), for each the microbatch size, the pipeline schedule and its
-chunks, the cp method, and the pairs of ZeRO level and recompute mode that fit the device's memory and
-are not dominated (recompute none -> selective -> block, each with the lowest ZeRO level that fits, and
-more recompute only where it lets a lower ZeRO level fit: more of either only adds time). Each
+chunks, the cp method, and every ZeRO level with the least recompute that lets it fit (none ->
+selective -> block: more recompute at the same ZeRO level only adds time; a higher ZeRO level can be
+faster, its optimizer step sharded and its gathers behind compute). Each
 candidate's step is the closed-form workload (`meshlib.transformer.workload`) timed by `meshlib.predict`
 with the schedule's published bubble; a mesh whose best case (its FLOPs at the
 device's best matmul rate, stretched by the bubble) cannot beat the candidates kept so far is skipped.
@@ -42,6 +42,7 @@ __all__ = ["Candidate", "MESHLIB_RUNTIME", "search"]
 # tensor-parallel collectives waiting for their matrix products
 MESHLIB_RUNTIME = {"flash": True, "dp_overlap": True, "tp_overlap": "none"}
 GIB = 1 << 30
+_RECOMPUTE = ("none", "selective", "block")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,7 @@ def search(
     memory = float(device_memory or profile.memory)
     run = {**MESHLIB_RUNTIME, **(runtime or {})}
     _check(shape, devices, batch, seq)
-    kept: list[tuple[float, int, Candidate]] = []  # a max-heap of the best `top` by step time (negated)
+    kept: list[tuple] = []  # a max-heap of the best `top`: (-time, -(recompute, zero), -order, candidate)
     best_of: dict[tuple, Candidate] = {}  # the best per mesh (tp, pp, cp, ep), for the explanations
     tight = [math.inf]  # the smallest memory any tried configuration needed
     count = itertools.count()
@@ -84,7 +85,8 @@ def search(
             t = cand.prediction.step_time
             if key not in best_of or t < best_of[key].prediction.step_time:
                 best_of[key] = cand
-            heapq.heappush(kept, (-t, next(count), cand))
+            simpler = (_RECOMPUTE.index(cand.config.recompute), cand.config.zero)  # on a tie, the simpler plan
+            heapq.heappush(kept, (-t, tuple(-x for x in simpler), -next(count), cand))
             if len(kept) > top:
                 heapq.heappop(kept)
     if not kept:
@@ -93,7 +95,7 @@ def search(
             f"no configuration of this model fits {devices} devices of {memory / GIB:.1f} GiB at batch {batch} x "
             f"seq {seq}{need}. Fix: more devices, a smaller batch or sequence, or devices with more memory"
         )
-    ranked = [c for _, _, c in sorted(kept, key=lambda k: (-k[0], k[1]))]
+    ranked = [k[-1] for k in sorted(kept, key=lambda k: (-k[0], tuple(-x for x in k[1]), -k[2]))]
     return [ranked[0].__class__(ranked[0].config, ranked[0].prediction, _why(ranked[0], best_of, shape, memory))] + \
         ranked[1:]  # fmt: skip
 
@@ -170,9 +172,11 @@ def _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exh
     modes = ("none",) if split else ("none", "selective", "block")
     zeros = (0, 1, 2, 3) if dp * cp * ep > 1 else (0,)
     for method in methods:
-        below = len(zeros)  # more recompute is worth trying only at a lower ZeRO level than the last one fitted
+        fitted: set[int] = set()  # ZeRO levels that fit with less recompute: more recompute there only adds time
         for mode in modes:
-            for i, zero in enumerate(zeros[:below] if not exhaustive else zeros):
+            for zero in zeros:
+                if zero in fitted and not exhaustive:
+                    continue
                 config = Config(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, zero=zero, recompute=mode, sp=tp > 1,
                                 microbatch=b, schedule=sched[0], chunks=sched[1], cp_method=method, dtype=dtype,
                                 **run)  # fmt: skip
@@ -180,10 +184,10 @@ def _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exh
                 need = max(s.memory for s in w.stages)
                 tight[0] = min(tight[0], need)
                 if need <= memory:
+                    fitted.add(zero)
                     yield Candidate(config, predict(w, profile, simulate_pipeline=False))
-                    below = i
-                    if not exhaustive:
-                        break
+            if len(fitted) == len(zeros) and not exhaustive:
+                break
 
 
 # -- why --------------------------------------------------------------------------------------------------
