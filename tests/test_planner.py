@@ -1,0 +1,136 @@
+"""The planner: model shapes read from real models, the search against exhaustive search, plans' predictions.
+
+Method: `model_shape` of every bundled model and of transformers' Llama, GPT-2 and Mixtral (small configs,
+meta device) gives the model's own parameter count exactly. The search's best equals the best of the
+exhaustive search under the same cost model on a small space, every candidate fits the memory it was given,
+and a space where nothing fits is refused naming the least any configuration needs. A compiled plan's dry
+run counts the same matrix-product FLOPs per rank, and moves the same tensor- and data-parallel bytes, as
+the closed form says for the same configuration (bundled Llama on dp=2 x tp=2 and pp=2 x tp=2). A plan's
+prediction survives its JSON round trip, and `meshlib plan --profile` and `--auto` print it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshlib import A100, Mesh, Plan, device_profile, predict_plan, workload_of
+from meshlib.search import MESHLIB_RUNTIME, search
+from meshlib.transformer import Config, ModelShape, workload
+
+torch = pytest.importorskip("torch")
+
+from meshlib_torch import compile_model, models  # noqa: E402
+from meshlib_torch.planner import model_shape, run_command  # noqa: E402
+
+GPT_350M = ModelShape(layers=24, hidden=1024, heads=16, ffn=4096, vocab=50304, bias=True, tied=True, positions=2048)
+
+
+def _own_count(model) -> int:
+    return sum({id(p): p.numel() for p in model.parameters()}.values())  # tied weights once
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt2", "llama-tiny-gqa", "llama-405b", "moe-tiny-ds", "deepseek-v3"])
+def test_a_bundled_models_shape_has_its_parameter_count(name):
+    model = models.build(name)
+    assert model_shape(model).params() == _own_count(model)
+
+
+def test_a_transformers_models_shape_has_its_parameter_count():
+    transformers = pytest.importorskip("transformers")
+    cases = [
+        (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=100)),
+        (transformers.GPT2LMHeadModel, transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100,
+                                                               n_positions=32, bos_token_id=0, eos_token_id=0)),
+        (transformers.MixtralForCausalLM, transformers.MixtralConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=100, num_local_experts=4, num_experts_per_tok=2)),
+    ]  # fmt: skip
+    for cls, cfg in cases:
+        with torch.device("meta"):
+            model = cls(cfg)
+        assert model_shape(model).params() == _own_count(model), cls.__name__
+
+
+def test_a_model_without_a_config_is_refused_naming_what_is_read():
+    with pytest.raises(ValueError, match=r"(?s)reads a model's shape.*Linear has neither.*num_hidden_layers"):
+        model_shape(torch.nn.Linear(2, 2))
+
+
+def test_the_search_finds_the_exhaustive_best_and_every_candidate_fits():
+    """gpt-350m's shape on 8 A100s: the best of the pruned search is the exhaustive search's best."""
+    memory = 20 * 2**30
+    fast = search(GPT_350M, devices=8, batch=64, seq=2048, profile=A100, device_memory=memory, top=5)
+    full = search(GPT_350M, devices=8, batch=64, seq=2048, profile=A100, device_memory=memory, top=1, exhaustive=True)
+    assert fast[0].prediction.step_time == pytest.approx(full[0].prediction.step_time, rel=1e-9)
+    assert all(c.prediction.memory <= memory for c in fast)
+    assert [c.prediction.step_time for c in fast] == sorted(c.prediction.step_time for c in fast)
+    why = "\n".join(fast[0].why)
+    for axis in ("recompute", "dp=", "tp", "pp", "ep: not a mixture-of-experts model", "cp"):
+        assert axis in why, why
+
+
+def test_a_space_where_nothing_fits_is_refused_naming_the_least_need():
+    with pytest.raises(ValueError, match=r"no configuration .* fits 8 devices of 0.2 GiB.*the least any configuration "
+                                         r"needs is \d+\.\d GiB. Fix"):  # fmt: skip
+        search(GPT_350M, devices=8, batch=64, seq=2048, profile=A100, device_memory=2**28)
+
+
+@pytest.mark.parametrize("mesh, options", [(dict(dp=2, tp=2, pp=1), {}), (dict(dp=1, tp=2, pp=2), {"microbatches": 2})])
+def test_a_compiled_plan_computes_and_moves_what_the_closed_form_says(mesh, options):
+    """llama-small, 8 x 128 tokens, fp32: each rank's forward and backward matrix-product FLOPs per microbatch
+    (the dry run's count) equal the closed form's; so do the per-microbatch tensor-parallel bytes and the
+    per-step data-parallel bytes where the mesh has them."""
+    batch, seq = 8, 128
+    model = models.build("llama-small")
+    m = options.get("microbatches", 1)
+    config = Config(**mesh, microbatch=batch // mesh["dp"] // m, dtype="float32", **MESHLIB_RUNTIME)
+    tokens = torch.zeros(batch, seq, dtype=torch.long)
+    plan = compile_model(model, mesh=config.mesh, rules=models.default_rules("llama-small", config.mesh),
+                         example_inputs=(tokens, tokens), estimate_memory=True, **options).plan  # fmt: skip
+    closed, counted = workload(model_shape(model), config, batch=batch, seq=seq), workload_of(plan)
+    for a, b in zip(closed.stages, counted.stages, strict=True):
+        assert a.forward.matmul_flops == b.forward.matmul_flops
+        assert a.backward.matmul_flops == b.backward.matmul_flops
+        tp = lambda stage: sum(c.bytes * c.count for c in stage.comm if c.axes == ("tp",))  # noqa: E731
+        if mesh["pp"] == 1:
+            assert tp(a) == tp(b)
+        dp = lambda stage: sum(c.bytes * c.count for c in stage.step_comm if c.axes == ("dp",))  # noqa: E731
+        assert dp(a) == dp(b)
+    # MFU's model FLOPs: the closed form counts causal attention whole, as the papers report MFU; the plan counts
+    # what its kernels do (torch's FLOP registry), the loss besides
+    assert closed.model_flops == pytest.approx(plan.model_flops, rel=0.1)
+
+
+def test_a_plans_prediction_is_printed_and_kept_in_its_json(tmp_path, capsys):
+    from meshlib_torch.cli import main
+
+    out = tmp_path / "plan.json"
+    main(["plan", "--model", "llama-small", "--mesh", "dp=2,tp=2", "--batch", "8", "--seq", "128", "--profile",
+          "a100", "--json", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "predicted step" in printed and "MFU" in printed
+    plan = Plan.from_json(out.read_text())
+    assert plan.prediction is not None and plan.prediction == predict_plan(plan.replace(prediction=None), A100)
+
+
+def test_auto_prints_the_best_plans_why_and_how_to_run_the_first(capsys):
+    from meshlib_torch.cli import main
+
+    main(["plan", "--auto", "--model", "gpt-small", "--devices", "4", "--profile", "cpu", "--batch", "8", "--seq",
+          "128", "--device-memory", "4GiB", "--top", "3"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "the best plans for 4" in printed and "why this plan" in printed and "predicted step" in printed
+    line = printed.split("run it:")[1].strip()
+    assert line.startswith("meshlib run --nproc-per-node 4 --model gpt-small --mesh ")
+
+
+def test_the_run_line_names_every_option_of_the_plan():
+    cand = search(GPT_350M, devices=64, batch=256, seq=2048, profile=A100, device_memory=2 * 2**30, top=1)[0]
+    line = run_command(cand, model="gpt-350m", batch=256, seq=2048, devices_per_node=8)
+    c = cand.config
+    assert "--nproc-per-node 8 --nnodes 8" in line and f"--zero {c.zero}" in line
+    mesh = line.split("--mesh ")[1].split()[0]
+    assert Mesh.parse(mesh).size == 64
+    assert device_profile("a100") is A100
