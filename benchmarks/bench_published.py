@@ -1,6 +1,6 @@
 """The planner's time model against published measurements, and its search against published choices.
 
-    python benchmarks/bench_published.py              # both tables (about 14 minutes on 2 cores, the search)
+    python benchmarks/bench_published.py              # both tables (about 11 minutes on 2 cores, the search)
     python benchmarks/bench_published.py --no-search  # the validation table alone (about 20 s)
 
 (a) **Against published measurements.** Each row is a published training run: its model

@@ -39,6 +39,9 @@ ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 @dataclass(frozen=True, slots=True)
 class Passes:
+    """One microbatch's passes on one rank: forward, backward (both gradients), recompute, and `weight`, the
+    weight-gradient part of backward a zero-bubble schedule runs apart."""
+
     forward: Compute
     backward: Compute
     recompute: Compute
