@@ -6,8 +6,9 @@ chunks, the cp method, and every ZeRO level with the least recompute that lets i
 selective -> block: more recompute at the same ZeRO level only adds time; a higher ZeRO level can be
 faster, its optimizer step sharded and its gathers behind compute). Each
 candidate's step is the closed-form workload (`meshlib.transformer.workload`) timed by `meshlib.predict`
-with the schedule's published bubble; a mesh whose best case (its FLOPs at the
-device's best matmul rate, stretched by the bubble) cannot beat the candidates kept so far is skipped.
+with the schedule's published bubble; a skeleton whose best case (its busiest rank's compute, stretched by the
+bubble) cannot beat the candidates kept so far is skipped, and so is one whose least memory (ZeRO-3 and the
+most recompute) does not fit.
 What does not divide is never tried. The result is ranked by predicted step time, each candidate with
 its prediction and, for the best, why each axis is there, in the order of the field's decision guide
 (recompute, then dp and ZeRO, then tp, then pp, then ep and cp): what the plan would need or lose
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from .devices import DeviceProfile, device_profile
 from .predict import Prediction, predict
 from .simulation import bubble_formula
-from .transformer import Config, ModelShape, workload
+from .transformer import Config, ModelShape, compute_bound, workload
 
 __all__ = ["Candidate", "MESHLIB_RUNTIME", "search"]
 
@@ -76,7 +77,7 @@ def search(
     best_of: dict[tuple, Candidate] = {}  # the best per mesh (tp, pp, cp, ep), for the explanations
     tight = [math.inf]  # the smallest memory any tried configuration needed
     count = itertools.count()
-    for bound, mesh, b, sched in sorted(_skeletons(shape, devices, batch, seq, profile, exhaustive)):
+    for bound, mesh, b, sched in sorted(_skeletons(shape, devices, batch, seq, profile, dtype, run, exhaustive)):
         limit = -kept[0][0] if len(kept) >= top else math.inf
         if bound > limit and not exhaustive:
             continue
@@ -145,10 +146,9 @@ def _schedules(shape: ModelShape, pp: int, m: int, exhaustive: bool):
         yield "zbv", 2
 
 
-def _skeletons(shape, devices, batch, seq, profile, exhaustive):
-    """(a lower bound on the step time, mesh, microbatch size, (schedule, chunks)) for every skeleton."""
-    ideal = 3 * shape.forward_flops(batch * seq, seq) / devices / (profile.flops_per_s("bfloat16")
-                                                                    * profile.matmul_efficiency)  # fmt: skip
+def _skeletons(shape, devices, batch, seq, profile, dtype, run, exhaustive):
+    """(a lower bound on the step time, mesh, microbatch size, (schedule, chunks)) for every skeleton: its
+    busiest rank's compute (`transformer.compute_bound`) stretched by the schedule's bubble."""
     for mesh in _meshes(shape, devices, seq, profile.devices_per_node):
         tp, pp, cp, ep, dp = mesh
         if batch % (dp * ep):
@@ -159,8 +159,10 @@ def _skeletons(shape, devices, batch, seq, profile, exhaustive):
                 break
             m = per // b
             for sched in _schedules(shape, pp, m, exhaustive):
+                config = Config(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, microbatch=b, schedule=sched[0],
+                                chunks=sched[1], dtype=dtype, **run)  # fmt: skip
                 bubble = bubble_formula(sched[0], pp, m, sched[1] if sched[1] > 1 else None) if pp > 1 else 0.0
-                yield ideal / (1 - bubble), mesh, b, sched
+                yield compute_bound(shape, config, batch=batch, seq=seq, profile=profile) / (1 - bubble), mesh, b, sched
 
 
 def _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exhaustive, tight):
@@ -171,15 +173,20 @@ def _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exh
     split = sched[0] in ("zb-h1", "zbv")
     modes = ("none",) if split else ("none", "selective", "block")
     zeros = (0, 1, 2, 3) if dp * cp * ep > 1 else (0,)
+    make = lambda **kw: Config(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, microbatch=b, schedule=sched[0],  # noqa: E731
+                               chunks=sched[1], dtype=dtype, **run, **kw)  # fmt: skip
+    least = max(s.memory for s in workload(shape, make(zero=zeros[-1], recompute=modes[-1]), batch=batch,
+                                           seq=seq).stages)  # fmt: skip
+    if least > memory and not exhaustive:  # the least memory this skeleton can take does not fit: nothing does
+        tight[0] = min(tight[0], least)
+        return
     for method in methods:
         fitted: set[int] = set()  # ZeRO levels that fit with less recompute: more recompute there only adds time
         for mode in modes:
             for zero in zeros:
                 if zero in fitted and not exhaustive:
                     continue
-                config = Config(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, zero=zero, recompute=mode, sp=tp > 1,
-                                microbatch=b, schedule=sched[0], chunks=sched[1], cp_method=method, dtype=dtype,
-                                **run)  # fmt: skip
+                config = make(zero=zero, recompute=mode, cp_method=method)
                 w = workload(shape, config, batch=batch, seq=seq)
                 need = max(s.memory for s in w.stages)
                 tight[0] = min(tight[0], need)

@@ -266,6 +266,25 @@ def workload(shape: ModelShape, config: Config, *, batch: int, seq: int) -> Work
                     microbatches=m, chunks=v)  # fmt: skip
 
 
+def compute_bound(shape: ModelShape, config: Config, *, batch: int, seq: int, profile) -> float:
+    """A lower bound on the step time of `config`: its busiest pipeline rank's forward and backward compute
+    over the step's microbatches, with no recompute, communication, bubble or optimizer (what every
+    configuration sharing its tp, cp, ep and microbatch computes at least). Cheap: the stages' compute is
+    cached (`_passes`)."""
+    from .predict import compute_time
+
+    m = _check(shape, config, batch, seq)
+    c = config if config.recompute == "none" else config.replace(recompute="none")
+    v = c.chunks if c.pp > 1 else 1
+    busiest = 0.0
+    for r, chunks in enumerate(_work.layer_split(shape, c.pp, v)):
+        dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
+        p = _passes(shape, c, c.microbatch, seq, dense, moe, r == 0, r == c.pp - 1)
+        t = compute_time(p.forward, profile, c.dtype) + compute_time(p.backward, profile, c.dtype)
+        busiest = max(busiest, t)
+    return busiest * m
+
+
 def _check(shape: ModelShape, c: Config, batch: int, seq: int) -> int:
     """The microbatches per step; raises naming what does not divide."""
     data = c.dp * c.ep
@@ -287,9 +306,24 @@ def _check(shape: ModelShape, c: Config, batch: int, seq: int) -> int:
     return batch // (data * c.microbatch)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1024)
 def _peaks(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
-    """Stage-chunk activations each pipeline rank holds at its peak, counted on the schedule itself."""
+    """Stage-chunk activations each pipeline rank holds at its peak: closed forms of the schedules' orders
+    (`meshlib.schedules`; the test checks them against the orders), else counted on the schedule itself."""
+    name = resolve_schedule(name, v if v > 1 else None)[0]
+    if name in ("1f1b", "zb-h1") and v == 1:
+        return tuple(min(p - r, m) for r in range(p))
+    if name == "gpipe":
+        return (m,) * p
+    if name == "interleaved-1f1b":
+        return tuple(min(m * v, (v - 1) * p + 2 * (p - r - 1) + 1) for r in range(p))
+    if name == "zbv":
+        return tuple(min(2 * p, 2 * m, m + r + 1) for r in range(p))
+    return scheduled_peaks(name, p, m, v)
+
+
+def scheduled_peaks(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    """`_peaks` counted on the schedule's own per-rank orders."""
     out = []
     for row in build_schedule(name, p, m, v if v > 1 else None).actions:
         live = peak = 0
@@ -301,13 +335,19 @@ def _peaks(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
 
 
 def _stage(shape: ModelShape, c: Config, seq: int, m: int, rank: int, chunks: tuple, peak: int) -> StageWork:
-    """The ranks at pipeline coordinate `rank`, holding `chunks` (`(dense, moe)` layers each): the embedding
-    on rank 0, the head and loss on the last rank."""
-    first, last = rank == 0, rank == c.pp - 1
+    """The ranks at pipeline coordinate `rank` (`_stage_of`: alike middle stages computed once)."""
+    return _stage_of(shape, c, seq, m, rank == 0, rank == c.pp - 1, chunks, peak)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_of(shape: ModelShape, c: Config, seq: int, m: int, first: bool, last: bool, chunks: tuple,
+              peak: int) -> StageWork:  # fmt: skip
+    """The ranks holding `chunks` (`(dense, moe)` layers each): the embedding on the first, the head and loss on
+    the last."""
     b = c.microbatch
     n = b * seq // c.cp
     dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
-    passes = _work.stage_passes(shape, c, b, seq, dense, moe, embed=first, head=last)
+    passes = _passes(shape, c, b, seq, dense, moe, first, last)
     params = _work.stage_params(shape, c, dense, moe, embed=first, head=last)
     kept = max(_work.chunk_activation(shape, c, b, seq, d, x) for d, x in chunks) * peak
     kept += _work.head_activation(shape, c, n) if last else 0.0
@@ -319,6 +359,21 @@ def _stage(shape: ModelShape, c: Config, seq: int, m: int, rank: int, chunks: tu
         step_comm=_comm.step_comm(params, c, m, tied=tied, embed_bytes=shape.vocab * shape.hidden / c.tp),
         optimizer=_optimizer(params, c), memory=int(_comm.model_state(params, c) + kept),
     )  # fmt: skip
+
+
+_PASSES: dict = {}
+
+
+def _passes(shape: ModelShape, c: Config, b: int, seq: int, dense: int, moe: int, first: bool, last: bool):
+    """`transformer_work.stage_passes`, computed once per set of the fields it reads (`COMPUTE_FIELDS`): a
+    search tries many configurations that compute alike (other ZeRO levels, data and pipeline degrees)."""
+    key = (shape, *(getattr(c, f) for f in _work.COMPUTE_FIELDS), b, seq, dense, moe, first, last)
+    found = _PASSES.get(key)
+    if found is None:
+        if len(_PASSES) > 1 << 16:
+            _PASSES.clear()
+        found = _PASSES[key] = _work.stage_passes(shape, c, b, seq, dense, moe, embed=first, head=last)
+    return found
 
 
 def _optimizer(params: tuple[float, float], c: Config) -> Compute:

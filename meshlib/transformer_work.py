@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 from .workload import Compute
 
-__all__ = ["Passes", "chunk_activation", "head_activation", "layer_split", "stage_params", "stage_passes"]
+__all__ = [
+    "COMPUTE_FIELDS", "Passes", "chunk_activation", "head_activation", "layer_split", "stage_params", "stage_passes",
+]  # fmt: skip
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
@@ -206,6 +208,12 @@ def _ends(shape, c, n: int, embed: bool, head: bool) -> Passes:
     fwd = Compute(fwd_mm, bytes=f, ops=8)
     weight = Compute(back_mm[1::2], bytes=extra)
     return Passes(fwd, Compute(back_mm, bytes=b_, ops=8), Compute(), weight)  # recompute keeps to the layers
+
+
+# the `Config` fields `stage_passes` reads (the rest, ZeRO and the data and pipeline degrees among them, do not
+# change what a stage computes per microbatch); `transformer._passes` caches by them
+COMPUTE_FIELDS = ("dtype", "reduce_dtype", "fused_accumulation", "tp", "cp", "sp", "ep", "recompute", "flash",
+                  "cp_method")  # fmt: skip
 
 
 def stage_passes(shape, c, b: int, seq: int, dense: int, moe: int, *, embed: bool, head: bool) -> Passes:

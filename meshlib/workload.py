@@ -46,11 +46,13 @@ class Compute:
     ops: int = 0
 
     def __post_init__(self):
-        merged: dict[tuple[float, float], int] = {}  # one entry per size, in the order first seen
-        for f, b, n in self.matmuls:
-            if n:
-                merged[(f, b)] = merged.get((f, b), 0) + n
-        object.__setattr__(self, "matmuls", tuple((f, b, n) for (f, b), n in merged.items()))
+        mm = self.matmuls
+        if len(mm) > 1 or (mm and not mm[0][2]) or type(mm) is not tuple:  # else already one entry per size
+            merged: dict[tuple[float, float], int] = {}  # one entry per size, in the order first seen
+            for f, b, n in mm:
+                if n:
+                    merged[(f, b)] = merged.get((f, b), 0) + n
+            object.__setattr__(self, "matmuls", tuple((f, b, n) for (f, b), n in merged.items()))
         if self.flops < 0 or self.bytes < 0 or self.ops < 0:
             raise ValueError(f"Compute: flops={self.flops}, bytes={self.bytes}, ops={self.ops} must be >= 0")
 

@@ -134,3 +134,22 @@ def test_the_run_line_names_every_option_of_the_plan():
     mesh = line.split("--mesh ")[1].split()[0]
     assert Mesh.parse(mesh).size == 64
     assert device_profile("a100") is A100
+
+
+def test_what_a_stage_computes_depends_only_on_the_fields_the_search_caches_it_by():
+    """`transformer._passes` caches a stage's compute by `COMPUTE_FIELDS`: every other field of `Config`
+    (ZeRO, the data and pipeline degrees, the schedule, the runtime's overlap flags) leaves it as it is."""
+    import dataclasses
+
+    from meshlib import transformer_work as work
+
+    shape = ModelShape(layers=8, hidden=512, heads=8, kv_heads=4, ffn=2048, vocab=1000, gated=True, norm="rmsnorm")
+    base = Config(dp=2, tp=2, pp=2, cp=2, sp=True, microbatch=2, recompute="selective")
+    before = work.stage_passes(shape, base, 2, 1024, 4, 0, embed=True, head=False)
+    others = {"dp": 4, "pp": 4, "zero": 3, "schedule": "zb-h1", "dp_overlap": False, "tp_overlap": "all",
+              "microbatch": 4}  # fmt: skip
+    assert not set(others) & set(work.COMPUTE_FIELDS)
+    assert {f.name for f in dataclasses.fields(Config)} - set(others) - {"async_p2p", "chunks"} >= set(
+        work.COMPUTE_FIELDS)
+    for name, value in others.items():
+        assert work.stage_passes(shape, base.replace(**{name: value}), 2, 1024, 4, 0, embed=True, head=False) == before
