@@ -153,3 +153,19 @@ def test_what_a_stage_computes_depends_only_on_the_fields_the_search_caches_it_b
         work.COMPUTE_FIELDS)
     for name, value in others.items():
         assert work.stage_passes(shape, base.replace(**{name: value}), 2, 1024, 4, 0, embed=True, head=False) == before
+
+
+@pytest.mark.parametrize("name, vs", [("1f1b", (1,)), ("gpipe", (1,)), ("zb-h1", (1,)), ("interleaved-1f1b", (2, 3, 4)),
+                                      ("zbv", (2,))])  # fmt: skip
+def test_the_in_flight_microbatches_in_closed_form_are_the_schedules_own(name, vs):
+    """`transformer._peaks` (closed forms the search relies on for speed) = the count on the schedules' orders."""
+    from meshlib.transformer import _peaks, scheduled_peaks
+
+    for p in (2, 3, 4, 5, 8):
+        for m in (1, 2, 3, 4, 5, 8, 9, 16, 17):
+            for v in vs:
+                try:
+                    want = scheduled_peaks(name, p, m, v)
+                except ValueError:  # a (p, m, v) the schedule does not run
+                    continue
+                assert _peaks(name, p, m, v) == want, (p, m, v)
