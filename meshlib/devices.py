@@ -41,18 +41,26 @@ class Link:
     `alpha`: seconds per step of a collective algorithm (a ring all-reduce over n devices takes 2(n-1) steps,
     a tree 2·log2(n)); `bandwidth`: bytes per second a device sends in one direction at best; `efficiency`:
     the fraction of `bandwidth` a collective of each kind reaches on large messages (`(kind, fraction)`
-    pairs; a kind not named reaches 1.0)."""
+    pairs; a kind not named reaches 1.0); `alphas`: seconds per step of the kinds whose latency is not
+    `alpha` (`(kind, seconds)` pairs, `alpha_for`; measured by `meshlib calibrate`, where gloo's all-to-all
+    and send/recv wait far less per step than its all-reduce)."""
 
     name: str
     alpha: float
     bandwidth: float
     efficiency: tuple[tuple[str, float], ...] = ()
+    alphas: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         if not (self.alpha >= 0 and self.bandwidth > 0):
             raise ValueError(f"Link {self.name!r}: alpha={self.alpha} must be >= 0 and bandwidth={self.bandwidth} > 0")
         _set = object.__setattr__
         _set(self, "efficiency", tuple((str(k), float(v)) for k, v in dict(self.efficiency).items()))
+        _set(self, "alphas", tuple((str(k), float(v)) for k, v in dict(self.alphas).items()))
+        for kind, value in self.alphas:
+            if kind not in COLLECTIVE_ALGORITHMS or not value >= 0:
+                raise ValueError(f"Link {self.name!r}: alphas {kind!r}={value} must name one of "
+                                 f"{COLLECTIVE_ALGORITHMS} with seconds >= 0")  # fmt: skip
         for kind, value in self.efficiency:
             if kind not in COLLECTIVE_ALGORITHMS or not 0 < value <= 1:
                 raise ValueError(
@@ -63,6 +71,10 @@ class Link:
     def bus_bandwidth(self, kind: str) -> float:
         """Bytes per second a collective of `kind` moves per device on this link."""
         return self.bandwidth * dict(self.efficiency).get(kind, 1.0)
+
+    def alpha_for(self, kind: str) -> float:
+        """Seconds per algorithm step of a collective of `kind` on this link."""
+        return dict(self.alphas).get(kind, self.alpha)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +177,8 @@ class DeviceProfile:
     @classmethod
     def from_json(cls, text: str) -> DeviceProfile:
         data = json.loads(text)
-        links = tuple(Link(**{**link, "efficiency": tuple(map(tuple, link.get("efficiency", ())))})
+        links = tuple(Link(**{**link, "efficiency": tuple(map(tuple, link.get("efficiency", ()))),
+                              "alphas": tuple(map(tuple, link.get("alphas", ())))})
                       for link in data.pop("links"))  # fmt: skip
         for name in ("flops", "extra"):
             data[name] = tuple(map(tuple, data.get(name, ())))
