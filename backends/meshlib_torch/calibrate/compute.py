@@ -11,6 +11,7 @@ measurements keep both, and the spread between them says how quiet it was).
 - `matmul_times`: a matrix product's time by size, dtype and operand layout (torch.mm on square shapes and
   on the three products of a transformer's linear layer: forward, input gradient, weight gradient);
 - `memory_times`: elementwise ops (copy, add, mul) from cache-sized to memory-sized tensors;
+- `attention_times`: torch's fused attention kernel (scaled_dot_product_attention, causal);
 - `host_times`: tiny ops, where the time is Python, the dispatcher and autograd, not arithmetic;
 - `busy_compute`: one fixed job, every rank of the pool at once, to see ranks share the cores.
 """
@@ -23,7 +24,9 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["busy_compute", "host_times", "matmul_shapes", "matmul_times", "memory_times", "timed"]
+__all__ = [
+    "attention_times", "busy_compute", "host_times", "matmul_shapes", "matmul_times", "memory_times", "timed",
+]  # fmt: skip
 
 DTYPES = ("float32", "float64", "bfloat16")
 # operand layouts, as a linear layer y = x @ W.T (x: tokens x in, W: out x in) runs its three products
@@ -133,6 +136,20 @@ def _elementwise(numel: int) -> dict:
         "mul": (lambda: a * b, 3 * size),
         "scale": (lambda: a * 2.0, 2 * size),
     }
+
+
+def attention_times(seqs=(256, 1024, 2048), *, heads: int = 8, dim: int = 64, target: float = 0.02,
+                    batches: int = 5) -> list[tuple[int, float, float, float]]:  # fmt: skip
+    """`(sequence, FLOPs, fastest, median seconds)` of one causal fp32
+    `F.scaled_dot_product_attention` forward of (1, heads, sequence, dim) q, k and v, by `timed`. FLOPs as
+    `meshlib.transformer_work` counts a fused kernel: 2·heads·s²·2·dim, halved for the causal mask."""
+    _pin()
+    rows = []
+    for seq in seqs:
+        q, k, v = (torch.randn(1, heads, seq, dim) for _ in range(3))
+        fn = lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        rows.append((seq, 2.0 * heads * seq * seq * 2 * dim * 0.5, *timed(fn, target=target, batches=batches)))
+    return rows
 
 
 def host_times(*, chain: int = 200, target: float = 0.02, batches: int = 5) -> dict[str, tuple[float, float]]:

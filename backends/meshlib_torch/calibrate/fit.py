@@ -8,16 +8,20 @@ batch of each measurement (`compute.timed`: the one other processes disturbed le
   saturating curve `f / (f + half)` of `DeviceProfile.matmul_fraction`); `matmul_efficiency` is float32's
   `rate` over the best float32 throughput any product reached, `matmul_half` float32's `half`, and each
   dtype's `flops` its `rate / matmul_efficiency`, so that a large product of every dtype runs at its own rate;
-- **memory**: `memory_bandwidth` is the best streaming rate (copy or add into kept tensors of 128 MiB),
-  `memory_efficiency` what elementwise ops reach as a model runs them (fresh tensors of 16 MiB), the median
-  of add, mul and scale, over that (`fit_memory`);
+- **fused attention**: `fused_efficiency` is what torch's causal attention kernel reaches (FLOPs as the
+  closed form counts them), the median over sequence lengths, over float32's `flops`;
+- **memory**: `memory_bandwidth` is the best streaming rate (copy or add into kept tensors) and
+  `memory_efficiency` what elementwise ops reach as a model runs them (fresh tensors; the median of add,
+  mul and scale) over it, both on 16 MiB tensors (`fit_memory`); `memory` is the host's RAM, which its ranks
+  share;
 - **host**: `host_per_op` is the mean of a tiny op's forward under autograd and its share of backward;
-- **cores**: the whole number c for which `min(1, c / N)`, the time model's share of a core, is closest to
-  one rank's speed alone over the slowest rank's when N compute at once;
-- **the link**: `steps * alpha + bus / (bandwidth * efficiency[kind])`, `meshlib.predict.comm_time`'s
-  formula, fitted to every collective at once (alpha shared, one bandwidth per kind, least squares on
-  relative error), each time multiplied by `max(1, N / cores) ** comm_oversubscription` for N ranks on the
-  host; that exponent is chosen on a grid (0 to 2 by 0.05) for the smallest error.
+- **cores**: the whole number nearest the most work N ranks computing at once did together, in units of one
+  rank alone (N x each one's speed; `fit_cores`);
+- **the link**: `steps * alpha_for(kind) + bus / (bandwidth * efficiency[kind])`, `meshlib.predict.comm_time`'s
+  formula, with per kind its own latency per step (`Link.alphas`; `alpha` is all-reduce's) and bandwidth,
+  fitted by least squares on relative error, each time multiplied by `max(1, N / cores) **
+  comm_oversubscription` for N ranks on the host; that exponent is chosen on a grid (0 to 2 by 0.05) for the
+  smallest squared log error over every point (`fit_link`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import numpy as np
 
 from meshlib.devices import DeviceProfile, Link
 
-__all__ = ["comm_terms", "fit_cores", "fit_link", "fit_matmul", "fit_profile", "saturating"]
+__all__ = ["comm_terms", "fit_attention", "fit_cores", "fit_link", "fit_matmul", "fit_memory", "fit_profile",
+           "saturating"]  # fmt: skip
 
 _GAMMAS = tuple(round(0.05 * i, 2) for i in range(41))
 
@@ -62,11 +67,13 @@ def fit_matmul(rows, host: float) -> dict[str, dict]:
 
 
 def fit_cores(busy: dict, cores_max: int) -> tuple[int, dict[int, float]]:
-    """(cores, {N: one rank's speed alone over the slowest rank's with N at once}) for the products."""
+    """(cores, {N: one rank's speed alone over the slowest rank's with N at once}) for the products: cores is
+    the whole number nearest the most that N ranks did together (N x speed, at least 1, at most `cores_max`).
+    The most, not a fit to every N: another process on the machine only ever takes cores away."""
     alone = busy["1"]["matmul"][0]
     speed = {int(n): alone / b["matmul"][0] for n, b in busy.items()}
-    error = lambda c: sum(math.log(s / min(1.0, c / n)) ** 2 for n, s in speed.items())  # noqa: E731
-    return min(range(1, max(cores_max, 1) + 1), key=error), speed
+    together = max(n * s for n, s in speed.items())
+    return max(1, min(max(cores_max, 1), round(together))), speed
 
 
 def comm_terms(kind: str, n: int, nbytes: float) -> tuple[float, float]:
@@ -79,48 +86,49 @@ def comm_terms(kind: str, n: int, nbytes: float) -> tuple[float, float]:
 
 
 def fit_link(points, cores: int) -> dict:
-    """`alpha`, `bandwidth` per kind and `gamma` (the oversubscription exponent) fitted to
-    `(kind, n, bytes, seconds)` points (see the module docstring), and each point's fitted time."""
+    """Per kind `alpha` and `bandwidth`, and `gamma` (the oversubscription exponent), fitted to
+    `(kind, n, bytes, seconds)` points (see the module docstring); each point with its fitted time."""
     kinds = tuple(dict.fromkeys(p[0] for p in points))
     oversubscribed = any(n > cores for _, n, _, _ in points)
-    best = None
-    for gamma in _GAMMAS if oversubscribed else (0.0,):
-        fit = _link_at(points, kinds, cores, gamma)
-        if best is None or fit["error"] < best["error"]:
-            best = fit
-    return best
+    fits = [_link_at(points, kinds, cores, g) for g in (_GAMMAS if oversubscribed else (0.0,))]
+    return min(fits, key=lambda fit: fit["error"])
 
 
 def _link_at(points, kinds, cores: int, gamma: float) -> dict:
-    rows, target = [], []
-    for kind, n, nbytes, t in points:
-        slow = max(1.0, n / cores) ** gamma
-        steps, bus = comm_terms(kind, n, nbytes)
-        rows.append([slow * steps] + [slow * bus * (k == kind) for k in kinds])
-        target.append(t)
-    x = [float(v) for v in _lstsq(rows, target)]
-    if x[0] < 0:  # latency below what the data can resolve: none
-        x = [0.0, *(float(v) for v in _lstsq([r[1:] for r in rows], target))]
-    if min(x[1:]) <= 0:
-        raise ValueError(f"collective fit: a kind's time does not grow with its bytes ({dict(zip(kinds, x[1:]))})")
-    fitted = np.asarray(rows) @ x
-    error = float(np.sum(np.log(fitted / np.asarray(target)) ** 2))
-    bandwidth = {k: 1.0 / v for k, v in zip(kinds, x[1:])}
-    return {"alpha": float(x[0]), "bandwidth": bandwidth, "gamma": gamma, "error": error,
-            "points": [(*p, float(f)) for p, f in zip(points, fitted)]}  # fmt: skip
+    """The least-squares fit at one oversubscription exponent: per kind, alpha >= 0 and bandwidth."""
+    alpha, bandwidth, fitted = {}, {}, {}
+    for kind in kinds:
+        mine = [p for p in points if p[0] == kind]
+        rows = [[max(1.0, n / cores) ** gamma * v for v in comm_terms(kind, n, b)] for _, n, b, _ in mine]
+        target = [t for *_, t in mine]
+        x = [float(v) for v in _lstsq(rows, target)]
+        if x[0] < 0:  # latency below what the data can resolve: none
+            x = [0.0, float(_lstsq([r[1:] for r in rows], target)[0])]
+        if x[1] <= 0:
+            raise ValueError(f"collective fit: {kind}'s time does not grow with its bytes ({mine})")
+        alpha[kind], bandwidth[kind] = x[0], 1.0 / x[1]
+        fitted |= {tuple(p): float(r[0] * x[0] + r[1] * x[1]) for p, r in zip(mine, rows)}
+    out = [(*p, fitted[tuple(p)]) for p in points]
+    error = sum(math.log(f / t) ** 2 for *_, t, f in out)
+    return {"alpha": alpha, "bandwidth": bandwidth, "gamma": gamma, "error": error, "points": out}
 
 
-def fit_memory(rows) -> tuple[float, float]:
-    """(memory_bandwidth, memory_efficiency) from `(op, numel, fastest, median seconds, bytes)` rows: the best streaming
-    rate (copy or add into kept tensors) on the largest tensors, and over it the median rate of the ops that
-    make fresh tensors (add, mul, scale) at 16 MiB (4M elements; the largest measured when smaller), the
-    size of a mid-size run's activations: past the caches, below glibc's threshold for mapping each anew."""
-    largest = max(numel for _, numel, *_ in rows)
-    mid = max(numel for _, numel, *_ in rows if numel <= 1 << 22)
-    rate = {(op, numel): nbytes / t for op, numel, t, _, nbytes in rows}
-    peak = max(rate[(op, largest)] for op in ("copy", "add_out"))
-    fresh = statistics.median(rate[(op, mid)] for op in ("add", "mul", "scale"))
-    return peak, min(1.0, fresh / peak)
+def fit_memory(rows, numel: int = 1 << 22) -> tuple[float, float]:
+    """(memory_bandwidth, memory_efficiency) from `(op, numel, fastest, median seconds, bytes)` rows, on
+    tensors of `numel` elements (16 MiB; the largest measured when smaller): the best streaming rate (copy or
+    add into kept tensors), and the median rate of the ops that make fresh tensors (add, mul, scale) over it.
+    16 MiB is a mid-size run's activation: past the caches (three such tensors), below glibc's threshold
+    for mapping each new tensor afresh (32 MiB; above it every fresh tensor pays page faults)."""
+    size = max(n for _, n, *_ in rows if n <= numel)
+    rate = {op: nbytes / t for op, n, t, _, nbytes in rows if n == size}
+    peak = max(rate["copy"], rate["add_out"])
+    return peak, min(1.0, statistics.median(rate[op] for op in ("add", "mul", "scale")) / peak)
+
+
+def fit_attention(rows, peak: float) -> float:
+    """fused_efficiency: the median over `(sequence, FLOPs, fastest, median)` rows of FLOPs / fastest, over
+    `peak` (float32's `flops`)."""
+    return min(1.0, statistics.median(f / t for _, f, t, _ in rows) / peak)
 
 
 def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
@@ -128,21 +136,23 @@ def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
     host = {k: fastest for k, (fastest, _) in m["host"].items()}
     mm = fit_matmul(m["matmul"], host["matmul"])
     efficiency = min(1.0, mm["float32"]["rate"] / mm["float32"]["best"])
+    flops = {d: f["rate"] / efficiency for d, f in mm.items()}
     cores, speed = fit_cores(m["busy"], m["machine"]["cores"])
     comm = fit_link([tuple(p[:4]) for p in m["collectives"]], cores)
     top = max(comm["bandwidth"].values())
-    link = Link("loopback", alpha=comm["alpha"], bandwidth=top,
-                efficiency=tuple((k, b / top) for k, b in comm["bandwidth"].items()))  # fmt: skip
+    link = Link("loopback", alpha=comm["alpha"].get("all_reduce", min(comm["alpha"].values())), bandwidth=top,
+                efficiency=tuple((k, b / top) for k, b in comm["bandwidth"].items()),
+                alphas=tuple(comm["alpha"].items()))  # fmt: skip
     bandwidth, mem_eff = fit_memory(m["memory"])
     extra = {f"matmul_{what}.{d}": f[what] for what in ("rate", "half", "best") for d, f in mm.items()}
     extra |= {f"host.{k}": v for k, v in host.items()}
     extra |= {f"speed_per_rank.{n}": s for n, s in speed.items()}
     extra |= {"other_cpu": m["machine"].get("other_cpu", -1.0)}
     profile = DeviceProfile(
-        name=name, flops=tuple((d, f["rate"] / efficiency) for d, f in mm.items()), matmul_efficiency=efficiency,
-        matmul_half=mm["float32"]["half"], memory=_memory_bytes(), memory_bandwidth=bandwidth,
-        memory_efficiency=mem_eff, devices_per_node=max(m["ranks"]), links=(link,),
-        host_per_op=(host["op_grad"] + host["backward_op"]) / 2, host_overlaps=False, cores=cores,
+        name=name, flops=tuple(flops.items()), matmul_efficiency=efficiency, matmul_half=mm["float32"]["half"],
+        memory=_memory_bytes(), memory_bandwidth=bandwidth, memory_efficiency=mem_eff,
+        fused_efficiency=fit_attention(m["attention"], flops["float32"]), devices_per_node=max(m["ranks"]),
+        links=(link,), host_per_op=(host["op_grad"] + host["backward_op"]) / 2, host_overlaps=False, cores=cores,
         comm_oversubscription=comm["gamma"], source=_source(m), extra=tuple(extra.items()),
     )  # fmt: skip
     return profile, {"matmul": mm, "cores": cores, "speed": speed, "link": comm}

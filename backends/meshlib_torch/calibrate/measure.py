@@ -1,8 +1,9 @@
 """Run every micro-benchmark on real gloo ranks and collect the raw measurements, as plain JSON data.
 
 The order, written once (`measure`): on the smallest pool, rank 0 alone (the others idle) measures the
-matrix products, the elementwise ops, the host's time per op and the reference job of `busy_compute`;
-then, for each world size asked for, every rank runs the reference job at once, and the collectives.
+matrix products, the elementwise ops, fused attention, the host's time per op and the reference job of
+`busy_compute`; then, for each world size asked for, every rank runs the reference job at once, and the
+collectives.
 The pools are `meshlib_torch.testing.pool`'s: workers forked from a forkserver that has imported torch,
 one torch thread each, one gloo group per pool.
 """
@@ -40,10 +41,12 @@ def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> di
     out: dict = {"ranks": list(ranks), "quick": quick, "machine": machine()}
     out["matmul"] = _rank0(first, compute.matmul_times, shapes, target=target, batches=batches,
                            max_call=0.15 if quick else 0.3)  # fmt: skip
-    say("elementwise ops and host time per op on one rank")
+    say("elementwise ops, fused attention and host time per op on one rank")
     sizes = compute.MEMORY_SIZES[:-1] if quick else compute.MEMORY_SIZES
     out["memory"] = _rank0(first, compute.memory_times, sizes, batches=batches)
     out["host"] = _rank0(first, compute.host_times, target=target, batches=batches)
+    seqs = (256, 1024) if quick else (256, 1024, 2048)
+    out["attention"] = _rank0(first, compute.attention_times, seqs, target=target, batches=batches)
     reps = 4 if quick else 10
     out["busy"] = {"1": _busy(first, True, reps)}
     out["collectives"] = []

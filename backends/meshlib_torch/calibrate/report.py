@@ -16,6 +16,10 @@ def tables(cal) -> list[Table]:
     return [_profile(cal), _matmul(cal), _memory_host(cal), _cores(cal), _collectives(cal)]
 
 
+def _attention_rows(cal) -> list:
+    return [(f"fused attention, s={s}, GFLOP/s", f"{f / t / 1e9:.2f}") for s, f, t, _ in cal.measurements["attention"]]
+
+
 def _g(x: float) -> str:
     return f"{x / 1e9:.2f}"
 
@@ -32,15 +36,17 @@ def _profile(cal) -> Table:
     rows += [
         ("matmul_efficiency", f"{p.matmul_efficiency:.3f}", "float32 asymptote / best float32 product"),
         ("matmul_half", f"{p.matmul_half:.3g} FLOPs", "float32 product reaching half the asymptote"),
+        ("fused_efficiency", f"{p.fused_efficiency:.3f}", "causal fused attention / flops[float32]"),
         ("memory_bandwidth", f"{p.memory_bandwidth / 1e9:.2f} GB/s", "streaming copy / add into a kept tensor"),
         ("memory_efficiency", f"{p.memory_efficiency:.3f}", "fresh-tensor add, mul, scale (median) / that"),
         ("host_per_op", f"{p.host_per_op * 1e6:.2f} us", "tiny op: forward under autograd and backward, mean"),
         ("host_overlaps", str(p.host_overlaps), "CPU ranks compute on the host"),
-        ("cores", str(p.cores), "min(1, cores/N) closest to the measured speed per rank"),
+        ("cores", str(p.cores), "the most work N ranks did at once, in ranks alone"),
         ("comm_oversubscription", f"{p.comm_oversubscription:.2f}", "collectives x (N/cores)^this for N > cores"),
-        (f"link {link.name}: alpha", f"{link.alpha * 1e6:.1f} us", "per algorithm step"),
+        (f"link {link.name}: alpha", f"{link.alpha * 1e6:.1f} us", "per algorithm step (all-reduce's)"),
         (f"link {link.name}: bandwidth", f"{link.bandwidth / 1e9:.3f} GB/s", "the fastest kind's bus bandwidth"),
     ]
+    rows += [(f"  alphas[{k}]", f"{v * 1e6:.1f} us", "its latency per step") for k, v in link.alphas]
     rows += [(f"  efficiency[{k}]", f"{v:.3f}", "its bus bandwidth / that") for k, v in link.efficiency]
     return Table("device profile (DeviceProfile)", ("field", "value", "how"), rows, p.source)
 
@@ -79,11 +85,13 @@ def _memory_host(cal) -> Table:
             "op_grad": "tiny x * y under autograd", "backward_op": "backward, per op of a chain"}  # fmt: skip
     pad = ("",) * (len(sizes) - 1)
     rows += [(f"host: {what.get(k, k)}, us", f"{v[0] * 1e6:.2f}", *pad) for k, v in m["host"].items()]
+    rows += [(*row, *pad) for row in _attention_rows(cal)]
     return Table(
-        "memory traffic and host time on one rank",
+        "memory traffic, host time and fused attention on one rank",
         ("benchmark", *(f"{human_bytes(4 * n)} tensors" for n in sizes)),
         rows,
-        "copy, add_out: kept tensors; add, mul, scale: a new tensor each call, as a model makes them",
+        "copy, add_out: kept tensors; add, mul, scale: a new tensor each call, as a model makes them; attention: "
+        "causal fp32 scaled_dot_product_attention, 8 heads of 64, FLOPs halved for the mask",
     )
 
 
@@ -125,6 +133,6 @@ def _collectives(cal) -> Table:
         "collectives (gloo, this host): time per call, the slowest rank, the fastest batch",
         _COMM_COLUMNS,
         rows,
-        f"fitted: steps x {link['alpha'] * 1e6:.1f} us + bus bytes / bandwidth[kind], x (N/cores)^{link['gamma']:.2f} "
-        "for N > cores; payload as a plan counts it (all-gather: the gathered result)",
+        f"fitted: steps x alpha[kind] + bus bytes / bandwidth[kind], x (N/cores)^{link['gamma']:.2f} for N > cores; "
+        "payload as a plan counts it (all-gather: the gathered result)",
     )
