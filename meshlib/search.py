@@ -67,38 +67,68 @@ def search(
     runtime: dict | None = None,
 ) -> list[Candidate]:  # fmt: skip
     """The `top` configurations of `shape` on `devices` devices of `profile` for a step of `batch` sequences
-    of `seq` tokens that fit `device_memory` bytes per device (default: the profile's), fastest first. Raises
+    of `seq` tokens that fit `device_memory` bytes per device (default: the profile's), fastest first (a plan
+    with another parallel axis must be `SIMPLER` faster per axis to rank above one without). Raises
     ValueError, naming the smallest need, when none fits."""
     profile = device_profile(profile)
-    memory = float(device_memory or profile.memory)
-    run = {**MESHLIB_RUNTIME, **(runtime or {})}
     _check(shape, devices, batch, seq)
-    kept: list[tuple] = []  # a max-heap of the best `top`: (-time, -(recompute, zero), -order, candidate)
-    best_of: dict[tuple, Candidate] = {}  # the best per mesh (tp, pp, cp, ep), for the explanations
-    tight = [math.inf]  # the smallest memory any tried configuration needed
-    count = itertools.count()
-    for bound, mesh, b, sched in sorted(_skeletons(shape, devices, batch, seq, profile, dtype, run, exhaustive)):
-        limit = -kept[0][0] if len(kept) >= top else math.inf
-        if bound > limit and not exhaustive:
-            continue
-        for cand in _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exhaustive, tight):
-            key = mesh[:4]
-            t = cand.prediction.step_time
-            if key not in best_of or t < best_of[key].prediction.step_time:
-                best_of[key] = cand
-            simpler = (_RECOMPUTE.index(cand.config.recompute), cand.config.zero)  # on a tie, the simpler plan
-            heapq.heappush(kept, (-t, tuple(-x for x in simpler), -next(count), cand))
-            if len(kept) > top:
-                heapq.heappop(kept)
-    if not kept:
-        need = f"; the least any configuration needs is {tight[0] / GIB:.1f} GiB" if tight[0] < math.inf else ""
+    space = _Space(shape, devices, batch, seq, profile, float(device_memory or profile.memory), dtype,
+                   {**MESHLIB_RUNTIME, **(runtime or {})}, exhaustive)  # fmt: skip
+    ranked = space.best(top)
+    if not ranked:
+        need = f"; the least any configuration needs is {space.tight / GIB:.1f} GiB" if space.tight < math.inf else ""
         raise ValueError(
-            f"no configuration of this model fits {devices} devices of {memory / GIB:.1f} GiB at batch {batch} x "
-            f"seq {seq}{need}. Fix: more devices, a smaller batch or sequence, or devices with more memory"
+            f"no configuration of this model fits {devices} device{'s' if devices > 1 else ''} of "
+            f"{space.memory / GIB:.1f} GiB at batch {batch} x seq {seq}{need}. Fix: more devices, a smaller batch or "
+            "sequence, or devices with more memory"
         )
-    ranked = [k[-1] for k in sorted(kept, key=lambda k: (-k[0], tuple(-x for x in k[1]), -k[2]))]
-    return [ranked[0].__class__(ranked[0].config, ranked[0].prediction, _why(ranked[0], best_of, shape, memory))] + \
-        ranked[1:]  # fmt: skip
+    return [Candidate(ranked[0].config, ranked[0].prediction, _why(ranked[0], space))] + ranked[1:]
+
+
+SIMPLER = 0.01  # the predicted gain an extra parallel axis must bring to rank first (within the model's error)
+
+
+def _rank(cand: Candidate) -> tuple:
+    """Step time, each axis beyond dp costing `SIMPLER`; then less recompute, then a lower ZeRO level."""
+    c = cand.config
+    axes = sum(n > 1 for n in (c.tp, c.pp, c.cp, c.ep))
+    return cand.prediction.step_time * (1 + SIMPLER * axes), _RECOMPUTE.index(c.recompute), c.zero
+
+
+class _Space:
+    """The configurations of one search: skeletons ranked by their bound, searched branch-and-bound."""
+
+    def __init__(self, shape, devices, batch, seq, profile, memory, dtype, run, exhaustive):
+        self.shape, self.batch, self.seq, self.profile = shape, batch, seq, profile
+        self.memory, self.dtype, self.run, self.exhaustive = memory, dtype, run, exhaustive
+        self.tight = math.inf  # the least memory any tried configuration needed
+        self.skeletons = sorted(_skeletons(shape, devices, batch, seq, profile, dtype, run, exhaustive))
+        self._tried: dict[tuple, list[Candidate]] = {}
+
+    def best(self, top: int, mesh=lambda mesh: True, keep=lambda cand: True) -> list[Candidate]:
+        """The `top` best candidates whose mesh `(tp, pp, cp, ep, dp)` passes `mesh` and that pass `keep`."""
+        kept: list[tuple] = []  # a max-heap of the best `top` by `_rank` (negated), with an order for ties
+        order = itertools.count()
+        for bound, m, b, sched in self.skeletons:
+            if not mesh(m):
+                continue
+            if len(kept) >= top and bound > -kept[0][0][0] and not self.exhaustive:
+                break  # the skeletons come in the order of their bounds: none of the rest can do better
+            for cand in self._candidates(m, b, sched):
+                if keep(cand):
+                    heapq.heappush(kept, (tuple(-x for x in _rank(cand)), -next(order), cand))
+                    if len(kept) > top:
+                        heapq.heappop(kept)
+        return [k[-1] for k in sorted(kept, key=lambda k: (tuple(-x for x in k[0]), -k[1]))]
+
+    def _candidates(self, mesh, b, sched) -> list[Candidate]:
+        key = (mesh, b, sched)
+        if key not in self._tried:
+            found, need = _fitting(self.shape, mesh, b, sched, self.batch, self.seq, self.profile, self.memory,
+                                   self.dtype, self.run, self.exhaustive)  # fmt: skip
+            self.tight = min(self.tight, need)
+            self._tried[key] = found
+        return self._tried[key]
 
 
 # -- what is tried ----------------------------------------------------------------------------------------
@@ -165,8 +195,9 @@ def _skeletons(shape, devices, batch, seq, profile, dtype, run, exhaustive):
                 yield compute_bound(shape, config, batch=batch, seq=seq, profile=profile) / (1 - bubble), mesh, b, sched
 
 
-def _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exhaustive, tight):
-    """The candidates of one skeleton that fit: per cp method and recompute mode, the lowest ZeRO level."""
+def _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exhaustive) -> tuple[list, float]:
+    """The candidates of one skeleton that fit (per cp method, every ZeRO level with the least recompute that
+    lets it fit), and the least memory any of its configurations needed."""
     tp, pp, cp, ep, dp = mesh
     methods = ("ring",) if cp == 1 else ("ring", "all-gather") + (
         ("all-to-all",) if shape.heads % (cp * tp) == 0 and shape.kv_heads % (cp * tp) == 0 else ())
@@ -177,62 +208,78 @@ def _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exh
                                chunks=sched[1], dtype=dtype, **run, **kw)  # fmt: skip
     least = max(s.memory for s in workload(shape, make(zero=zeros[-1], recompute=modes[-1]), batch=batch,
                                            seq=seq).stages)  # fmt: skip
+    out: list[Candidate] = []
     if least > memory and not exhaustive:  # the least memory this skeleton can take does not fit: nothing does
-        tight[0] = min(tight[0], least)
-        return
+        return out, least
     for method in methods:
         fitted: set[int] = set()  # ZeRO levels that fit with less recompute: more recompute there only adds time
         for mode in modes:
             for zero in zeros:
                 if zero in fitted and not exhaustive:
                     continue
-                config = make(zero=zero, recompute=mode, cp_method=method)
-                w = workload(shape, config, batch=batch, seq=seq)
+                w = workload(shape, make(zero=zero, recompute=mode, cp_method=method), batch=batch, seq=seq)
                 need = max(s.memory for s in w.stages)
-                tight[0] = min(tight[0], need)
+                least = min(least, need)
                 if need <= memory:
                     fitted.add(zero)
-                    yield Candidate(config, predict(w, profile, simulate_pipeline=False))
+                    out.append(Candidate(make(zero=zero, recompute=mode, cp_method=method),
+                                         predict(w, profile, simulate_pipeline=False)))  # fmt: skip
             if len(fitted) == len(zeros) and not exhaustive:
                 break
+    return out, least
 
 
 # -- why --------------------------------------------------------------------------------------------------
-def _why(best: Candidate, best_of: dict, shape: ModelShape, memory: float) -> tuple[str, ...]:
+def _why(best: Candidate, space: _Space) -> tuple[str, ...]:
     """Each axis and option of `best`, in the decision guide's order, with what the plan would need or lose
-    without it (the best plan found with that axis otherwise)."""
+    without it: the best plan the search finds with that axis or option otherwise."""
     c, t = best.config, best.prediction.step_time
-    out = [f"model state with mixed-precision Adam: {16 * shape.params() / GIB:,.0f} GiB in all (16 bytes a "
-           f"parameter); each device holds {memory / GIB:.0f} GiB"]  # fmt: skip
-    out.append(_recompute_line(c, best))
-    out.append(f"dp={c.dp}" + (f" with ZeRO-{c.zero}" if c.zero else " (ZeRO-0: the model state fits whole)")
-               + f": {best.prediction.memory / GIB:.1f} GiB per rank")  # fmt: skip
+    shape = space.shape
+    out = [f"model state with mixed-precision Adam: {_gib(16 * shape.params())} in all (16 bytes a parameter); "
+           f"each device holds {_gib(space.memory)}"]  # fmt: skip
+    if c.recompute == "none":
+        out.append("recompute: not needed, the activations fit")
+    else:
+        alt = space.best(1, keep=lambda x: x.config.recompute == "none")
+        worse = _slower(alt[0], t) if alt else ""
+        out.append(f"recompute={c.recompute}: " + (f"the best plan without recompute ({alt[0].mesh}) is {worse}"
+                                                   if alt else "no plan fits without it"))  # fmt: skip
+    data = [f"{a}={n}" for a, n in (("dp", c.dp), ("cp", c.cp), ("ep", c.ep)) if n > 1] or ["dp=1"]
+    over = "x".join(data)
+    if c.zero:
+        alt = space.best(1, keep=lambda x: x.config.zero < c.zero)
+        lower = (f"the best plan with less ZeRO ({alt[0].mesh}, ZeRO-{alt[0].config.zero}) is {_slower(alt[0], t)}"
+                 if alt else "no plan with less fits")  # fmt: skip
+        out.append(f"ZeRO-{c.zero} over the data ranks ({over}): {_gib(best.prediction.memory)} per rank; {lower}")
+    else:
+        out.append(f"data ranks {over}, ZeRO-0 (the model state fits whole): {_gib(best.prediction.memory)} per rank")
     for axis in ("tp", "pp", "ep", "cp"):
-        out.append(_axis_line(axis, c, t, best_of, shape))
+        out.append(_axis_line(axis, c, t, space))
     return tuple(out)
 
 
-def _recompute_line(c: Config, best: Candidate) -> str:
-    if c.recompute == "none":
-        return "recompute: not needed, the activations fit"
-    return f"recompute={c.recompute}: without it the activations do not fit beside the model state"
+def _slower(alt: Candidate, t: float) -> str:
+    gap = alt.prediction.step_time / t - 1
+    return f"{gap:.1%} slower" if abs(gap) < 0.1 else f"{gap:.0%} slower"
 
 
-def _axis_line(axis: str, c: Config, t: float, best_of: dict, shape: ModelShape) -> str:
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:,.1f} MiB"
+
+
+def _axis_line(axis: str, c: Config, t: float, space: _Space) -> str:
     n = getattr(c, axis)
-    if axis == "ep" and not shape.experts:
+    if axis == "ep" and not space.shape.experts:
         return "ep: not a mixture-of-experts model"
     index = {"tp": 0, "pp": 1, "cp": 2, "ep": 3}[axis]
-    others = [cand for key, cand in best_of.items() if key[index] != n]
-    smaller = [cand for key, cand in best_of.items() if key[index] < n]
     if n > 1:
-        if not smaller:
+        alt = space.best(1, mesh=lambda m: m[index] < n)
+        if not alt:
             return f"{axis}={n}: no plan with less {axis} fits"
-        alt = min(smaller, key=lambda x: x.prediction.step_time)
-        return (f"{axis}={n}: the best plan with {axis}={getattr(alt.config, axis)} ({alt.mesh}) is "
-                f"{alt.prediction.step_time / t - 1:.0%} slower")  # fmt: skip
-    if not others:
+        return (f"{axis}={n}: the best plan with {axis}={getattr(alt[0].config, axis)} ({alt[0].mesh}) is "
+                f"{_slower(alt[0], t)}")  # fmt: skip
+    alt = space.best(1, mesh=lambda m: m[index] > 1)
+    if not alt:
         return f"{axis}: not needed (no plan with {axis} > 1 fits or divides)"
-    alt = min(others, key=lambda x: x.prediction.step_time)
-    return (f"{axis}: not needed; the best plan with {axis}={getattr(alt.config, axis)} ({alt.mesh}) is "
-            f"{alt.prediction.step_time / t - 1:.0%} slower")  # fmt: skip
+    return (f"{axis}: not needed; the best plan with {axis}={getattr(alt[0].config, axis)} ({alt[0].mesh}) is "
+            f"{_slower(alt[0], t)}")  # fmt: skip

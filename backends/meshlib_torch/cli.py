@@ -176,9 +176,11 @@ def auto_main(args) -> Plan:
 
 
 def _auto_dtype(args, profile) -> str:
+    """--precision's compute dtype, else the faster of bf16 and fp32 on the profile's devices (a CPU's bf16
+    products can be slower than its fp32 ones)."""
     if args.precision is not None:
         return args.precision.param
-    return "bfloat16" if "bfloat16" in dict(profile.flops) else "float32"
+    return max(("bfloat16", "float32"), key=profile.flops_per_s)
 
 
 def _candidates_table(found: list, devices: int, profile) -> Table:
