@@ -27,7 +27,7 @@ n = b·s/cp tokens on a rank and e bytes per element, per layer and microbatch:
 from __future__ import annotations
 
 from .cost import zero_memory
-from .transformer_work import ITEMSIZE, _widths
+from .transformer_work import ITEMSIZE, widths
 from .workload import Comm
 
 __all__ = ["model_state", "send_bytes", "stage_comm", "step_comm"]
@@ -52,7 +52,7 @@ def _tp(c, payload: float, phase: str, layers: int) -> list[Comm]:
 
 def _cp(shape, c, b: int, seq: int, layers: int) -> list[Comm]:
     e, n = ITEMSIZE[c.dtype], b * seq // c.cp
-    q, k, v, o = _widths(shape, c.tp)
+    q, k, v, o = widths(shape, c.tp)
     chunk = e * n * (k + v)
     if c.cp_method == "ring":
         return [Comm("send_recv", ("cp",), chunk, "forward", (c.cp - 1) * layers, "compute"),

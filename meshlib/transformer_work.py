@@ -34,6 +34,7 @@ from .workload import Compute
 
 __all__ = [
     "COMPUTE_FIELDS", "Passes", "chunk_activation", "head_activation", "layer_split", "stage_params", "stage_passes",
+    "widths",
 ]  # fmt: skip
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
@@ -107,7 +108,7 @@ class _Layer:
     bytes_bwd: float
 
 
-def _widths(shape, t: int) -> tuple[float, float, float, float]:
+def widths(shape, t: int) -> tuple[float, float, float, float]:
     """Per-rank widths of q, k, v and the attention's output (kv heads fewer than t are replicated: each rank
     keeps one)."""
     kv = max(shape.kv_heads // t, 1) if shape.kv_heads < shape.heads else shape.kv_heads / t
@@ -118,7 +119,7 @@ def _widths(shape, t: int) -> tuple[float, float, float, float]:
 def _attention(shape, c, b: int, seq: int, e: int) -> tuple[tuple, Compute, Compute]:
     """(projections, core forward, core backward) of one layer's attention."""
     t, h, n = c.tp, shape.hidden, b * seq // c.cp
-    q, k, v, o = _widths(shape, t)
+    q, k, v, o = widths(shape, t)
     kv = k + v
     if shape.q_rank or shape.kv_rank:  # MLA: down-projections replicated over tp, up-projections split
         qr, kr = shape.q_rank or h, shape.kv_rank or h
@@ -165,7 +166,7 @@ def _layer(shape, c, b: int, seq: int, moe: bool) -> _Layer:
     rows = n / t if c.sp else n  # tokens the norms, dropouts and residuals run on
     proj, core, core_back = _attention(shape, c, b, seq, e)
     mlp, act_f, act_b = _mlp(shape, c, n, e, moe)
-    q, k, _, _ = _widths(shape, t)
+    q, k, _, _ = widths(shape, t)
     rope = 0.0 if shape.positions else 2 * e * n * (q + k)
     residual = (3 * e + (1 if shape.dropout else 0)) * rows * h
     fwd = 2 * (2 * e * rows * h) + 2 * residual + act_f + rope
@@ -257,7 +258,7 @@ def _kept(shape, c, b: int, seq: int, moe: bool) -> float:
     rows = n / t if c.sp else n
     if c.recompute == "block":
         return e * rows * h
-    q, k, v, o = _widths(shape, t)
+    q, k, v, o = widths(shape, t)
     mask = rows * h if shape.dropout else 0.0
     norms_and_inputs = 2 * e * rows * h + 2 * e * rows * h + 2 * mask  # norm inputs, QKV and MLP inputs
     attention = e * n * (q + k + v + o)  # q, k, v and the output projection's input
