@@ -288,8 +288,10 @@ def device_profile(name_or_path: str | DeviceProfile) -> DeviceProfile:
     found = find_profile(key) if key.replace("-", "").replace("_", "").isalnum() else None
     if found is not None:
         profile = DeviceProfile.from_json(found[0].read_text())
-        note = "this machine" if found[1] == "calibrated" else "packaged, measured elsewhere: `meshlib calibrate`"
-        return profile.replace(source=f"{profile.source}; read from {found[0]} ({found[1]}: {note})")
+        note = {"calibrated": "calibrated on this machine",
+                "packaged": "packaged with meshlib, measured on its maintainers' machine; `meshlib calibrate` "
+                "measures this one"}[found[1]]  # fmt: skip
+        return profile.replace(source=f"{profile.source}; read from {found[0]} ({note})")
     if key == "cpu":
         raise ValueError(
             f"no CPU profile: none calibrated at {profile_dir() / 'cpu.json'} and none packaged with meshlib. "

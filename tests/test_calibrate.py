@@ -1,0 +1,187 @@
+"""`meshlib calibrate`: the measured device profile of this machine's gloo CPU ranks.
+
+Method: one quick calibration on 2 real gloo ranks, through the command line in this process
+(`meshlib_torch.cli.main`), writes the profile and its raw measurements to a temporary directory.
+The tests check structure and self-consistency, never speed (timings vary with the machine and its
+load): the profile round-trips through JSON; every measured collective is reproduced by the planner's
+own formula (`meshlib.predict.comm_time` with the profile and each kind's alpha, times `comm_slowdown`), the
+measured points (each the fastest of its batches) being the independent reference, within the stated
+tolerances (`RATIO`, `BANDWIDTH_RATIO`, `SPREAD`); the fitted alphas and bandwidths are the least-squares
+optimum of that formula (moving any of them fits worse); the matrix-product curve reproduces the float32
+products. `device_profile("cpu")` is checked to read $MESHLIB_PROFILE_DIR first, then the packaged
+profile, then to fail naming `meshlib calibrate`; bad `--ranks` values are refused before any rank starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+
+import pytest
+
+from meshlib import Mesh
+from meshlib import devices as devices_module
+from meshlib.cli import parser
+from meshlib.devices import COLLECTIVE_ALGORITHMS, DeviceProfile, device_profile
+from meshlib.predict import comm_time
+from meshlib.workload import Comm
+
+# a least-squares fit on relative error: the median point within RATIO of its measured time, every point whose
+# time is mostly bandwidth (LARGE bytes and more) within BANDWIDTH_RATIO, every point within SPREAD. Loose on
+# purpose: the latency of a small message on a loaded machine is bimodal (~0.1 ms, or ~2 ms when a rank waits
+# for another process's time slice) and no alpha fits both; `test_alpha_beta_is_the_least_squares_fit` is the
+# exact check of the fit itself
+RATIO, BANDWIDTH_RATIO, SPREAD, LARGE = 2.0, 2.0, 10.0, 1 << 20
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """(profile, sidecar data, path) of `meshlib calibrate --quick --ranks 2 --out <tmp>/cpu.json`."""
+    pytest.importorskip("torch")
+    from meshlib_torch.cli import main
+
+    path = tmp_path_factory.mktemp("profiles") / "cpu.json"
+    main(["calibrate", "--quick", "--ranks", "2", "--out", str(path)])
+    sidecar = json.loads(path.with_name("cpu.measurements.json").read_text())
+    return DeviceProfile.from_json(path.read_text()), sidecar, path
+
+
+def _log_ratios(pairs) -> list[float]:
+    return [abs(math.log(fitted / measured)) for measured, fitted in pairs]
+
+
+def _within(pairs, what: str, spread: float = SPREAD) -> None:
+    errors = _log_ratios(pairs)
+    assert statistics.median(errors) <= math.log(RATIO), f"{what}: median fitted/measured off by more than {RATIO}x"
+    worst = max(range(len(errors)), key=errors.__getitem__)
+    assert errors[worst] <= math.log(spread), f"{what}: point {worst} of {pairs} off by more than {spread}x"
+
+
+def _predicted(points, profile: DeviceProfile) -> list[tuple[float, float]]:
+    """(measured, the planner's time) of each `[kind, n, bytes, fastest, median]` point: `comm_time` on a mesh
+    of its ranks, with the link's alpha for its kind (`Link.alpha_for`), times `comm_slowdown`."""
+    link = profile.intra
+    per_kind = {k: profile.replace(links=(dataclasses.replace(link, alpha=link.alpha_for(k)),)) for k, *_ in points}
+    return [(t, comm_time(Comm(kind, ("x",), b), Mesh(x=n), per_kind[kind]) * profile.comm_slowdown(n))
+            for kind, n, b, t, _ in points]  # fmt: skip
+
+
+def _objective(pairs) -> float:
+    return sum((fitted / measured - 1) ** 2 for measured, fitted in pairs)
+
+
+@pytest.mark.ranks
+def test_profile_is_valid_and_round_trips(calibrated):
+    profile, sidecar, path = calibrated
+    assert DeviceProfile.from_json(profile.to_json()) == profile
+    assert profile.to_json(indent=1) + "\n" == path.read_text()
+    assert profile.name == "cpu" and not profile.host_overlaps and profile.cores >= 1
+    assert {d for d, _ in profile.flops} == {"float32", "float64", "bfloat16"}
+    assert 0 < profile.matmul_efficiency <= 1 and 0 < profile.memory_efficiency <= 1
+    assert profile.host_per_op > 0 and profile.comm_oversubscription >= 0
+    (link,) = profile.links
+    kinds = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+    assert link.name == "loopback" and {k for k, _ in link.efficiency} == {k for k, _ in link.alphas} == kinds
+    assert kinds <= set(COLLECTIVE_ALGORITHMS) and max(v for _, v in link.efficiency) == 1.0
+    assert link.alpha == link.alpha_for("all_reduce") and 0 < profile.fused_efficiency <= 1
+    assert "meshlib calibrate --quick --ranks 2" in profile.source
+    assert sidecar["measurements"]["ranks"] == [2]
+
+
+@pytest.mark.ranks
+def test_alpha_beta_reproduces_the_measured_collectives(calibrated):
+    """Each measured collective against the planner's formula on a mesh of its ranks."""
+    profile, sidecar, _ = calibrated
+    points = sidecar["measurements"]["collectives"]
+    assert {kind for kind, *_ in points} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+    assert all(median >= fastest for *_, fastest, median in points)  # the reference is the fastest batch
+    pairs = _predicted(points, profile)
+    _within(pairs, "collectives")
+    _within([pair for pair, p in zip(pairs, points) if p[2] >= LARGE], "large collectives", BANDWIDTH_RATIO)
+    fitted = [p[4] for p in sidecar["fits"]["link"]["points"]]
+    assert fitted == pytest.approx([f for _, f in pairs], rel=1e-9)  # the fit's own numbers are the formula's
+
+
+@pytest.mark.ranks
+def test_alpha_beta_is_the_least_squares_fit(calibrated):
+    """Moving any kind's alpha or bandwidth by 10% either way fits the measured points no better."""
+    profile, sidecar, _ = calibrated
+    points = sidecar["measurements"]["collectives"]
+    best = _objective(_predicted(points, profile))
+    link, moved = profile.intra, []
+    for kind, _ in link.alphas:
+        for f in (0.9, 1.1):
+            alphas = tuple((k, v * (f if k == kind else 1.0)) for k, v in link.alphas)
+            moved.append(dataclasses.replace(link, alphas=alphas))
+            scaled = {k: v * (f if k == kind else 1.0) for k, v in link.efficiency}
+            top = max(scaled.values())  # efficiency stays a fraction: the bandwidth carries the scale
+            efficiency = tuple((k, v / top) for k, v in scaled.items())
+            moved.append(dataclasses.replace(link, bandwidth=link.bandwidth * top, efficiency=efficiency))
+    for other in moved:
+        assert _objective(_predicted(points, profile.replace(links=(other,)))) >= best * (1 - 1e-9), other
+
+
+@pytest.mark.ranks
+def test_matmul_curve_reproduces_the_measured_products(calibrated):
+    """float32 products, the dtype `matmul_efficiency` and `matmul_half` are read off."""
+    profile, sidecar, _ = calibrated
+    host = sidecar["measurements"]["host"]["matmul"][0]
+    rate = profile.flops_per_s("float32")
+    pairs = []
+    for dtype, _, _, m, k, n, measured, _ in sidecar["measurements"]["matmul"]:
+        if dtype == "float32":
+            f = 2.0 * m * k * n
+            pairs.append((measured, host + f / (rate * profile.matmul_fraction(f))))
+    _within(pairs, "float32 matrix products")
+
+
+def test_device_profile_reads_the_calibrated_then_the_packaged_file(tmp_path, monkeypatch):
+    mine = device_profile("a100").replace(name="cpu", cores=2, host_overlaps=False, source="test")
+    (tmp_path / "cpu.json").write_text(mine.to_json())
+    monkeypatch.setenv("MESHLIB_PROFILE_DIR", str(tmp_path))
+    found = device_profile("cpu")
+    assert found.replace(source="test") == mine
+    assert found.source.startswith("test; read from") and "(calibrated" in found.source
+    monkeypatch.setenv("MESHLIB_PROFILE_DIR", str(tmp_path / "empty"))
+    packaged = device_profile("cpu")
+    assert packaged.name == "cpu" and "(packaged" in packaged.source
+    assert devices_module.find_profile("cpu") == (devices_module._PACKAGED / "cpu.json", "packaged")
+
+
+def test_device_profile_without_any_cpu_profile_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHLIB_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setattr(devices_module, "_PACKAGED", tmp_path / "none")
+    with pytest.raises(ValueError, match=r"no CPU profile.*Fix: run `meshlib calibrate`"):
+        device_profile("cpu")
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("1", "'1' is not a world size"),
+        ("2,x", "'x' is not a world size"),
+        ("", "no world size given"),
+        ("0,-2", "'0', '-2' are not world sizes"),
+    ],  # fmt: skip
+)
+def test_bad_ranks_is_a_clear_error(value, said, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parser().parse_args(["calibrate", f"--ranks={value}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "give numbers of ranks of 2 or more" in err
+
+
+def test_ranks_are_parsed_sorted_and_distinct():
+    assert parser().parse_args(["calibrate", "--ranks", "8,2,4,2"]).ranks == (2, 4, 8)
+    assert parser().parse_args(["calibrate"]).ranks == (2, 4, 8)
+
+
+def test_calibrate_refuses_a_world_of_one_before_starting_ranks():
+    pytest.importorskip("torch")
+    from meshlib_torch.calibrate import calibrate
+
+    with pytest.raises(ValueError, match="world sizes of 2 or more"):
+        calibrate((1, 2))
