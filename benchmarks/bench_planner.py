@@ -11,7 +11,7 @@
     then trains on real ranks (`planner_worker.measure`: warm-up steps, then the median of timed steps, the
     slowest rank's each; the peak by `PeakTracker`). Reported: each error, the mean and largest, and the
     Spearman correlation of the two rankings.
-(b) For small spaces (dense and MoE, short and long sequences), `meshlib.search(...)[0]` against the best of
+(b) For small spaces (dense and MoE, short and long sequences), `meshlib.planner(...)[0]` against the best of
     `search(..., exhaustive=True)` under the same cost model.
 (c) The search and the winner's full per-rank plan (compiled on an abstract mesh, meta device) for the
     Llama-3-405B shape on 16,384 H100s and the DeepSeek-V3 shape on 2,048 H100s: wall time and the plan.
@@ -31,7 +31,7 @@ import torch
 from machine import describe
 
 from meshlib import Mesh, device_profile, predict_plan
-from meshlib.search import search
+from meshlib.planner import search
 from meshlib.transformer import ModelShape
 from meshlib_torch import compile_model, data, models
 from meshlib_torch.testing.pool import get_pool

@@ -5,12 +5,12 @@
 
 (a) **Against published measurements.** Each row is a published training run: its model
     (`meshlib.transformer.ModelShape`), its configuration as the paper gives it and its runtime as the code of
-    the time ran it (`Config`), predicted on the built-in device profile (`meshlib.devices.A100`/`H100`, one
+    the time ran it (`StepConfig`), predicted on the built-in device profile (`meshlib.devices.A100`/`H100`, one
     set of cited constants per device kind, never fitted to a row) by `meshlib.predict` with the pipeline
     simulated. Published iteration times are compared directly; published TFLOP/s per GPU become a step time
     through the model FLOPs the papers count (Narayanan et al.: 96·B·s·l·h²(1 + s/6h + V/16lh), recompute
     included; Llama 3: 6N + 12·l·h·s per token, torchtitan's and PaLM's convention, no causal discount).
-(b) **Against published choices.** `meshlib.search.search` on the same devices, batch, sequence and
+(b) **Against published choices.** `meshlib.planner.search` on the same devices, batch, sequence and
     runtime; its best configuration beside the published one, each predicted with the pipeline simulated.
 
 No torch and no processes: the model is pure. Prints markdown tables (rich tables too when rich is
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from meshlib.devices import A100, H100, DeviceProfile
 from meshlib.predict import Prediction, predict
-from meshlib.transformer import Config, ModelShape, workload
+from meshlib.transformer import ModelShape, StepConfig, workload
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Row:
     name: str
     source: str
     shape: ModelShape
-    config: Config
+    config: StepConfig
     batch: int
     seq: int
     profile: DeviceProfile
@@ -83,7 +83,7 @@ def _korthikanti() -> list[Row]:
     rows = []
     for name, (shape, tp, pp, v, batch, mb, times) in KORTHIKANTI.items():
         for (recompute, sp), seconds in zip((("block", False), ("selective", True)), times):
-            config = Config(dp=1, tp=tp, pp=pp, microbatch=mb, schedule="interleaved-1f1b" if v > 1 else "1f1b",
+            config = StepConfig(dp=1, tp=tp, pp=pp, microbatch=mb, schedule="interleaved-1f1b" if v > 1 else "1f1b",
                             chunks=v, recompute=recompute, sp=sp, **MEGATRON_2022)  # fmt: skip
             label = "full recompute" if recompute == "block" else "SP + selective"
             rows.append(Row(f"{name} {label}", K22, shape, config, batch, 2048, A100, seconds, f"{seconds} s"))
@@ -94,7 +94,7 @@ def _narayanan() -> Row:
     """1T on 3,072 A100s: 163 TFLOP/s per GPU counted with recompute (96·B·s·l·h²(1 + s/6h + V/16lh))."""
     shape, b, s, layers, h, v = gpt(128, 25600, 160), 3072, 2048, 128, 25600, 51200
     flops = 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
-    config = Config(dp=6, tp=8, pp=64, microbatch=1, schedule="interleaved-1f1b", chunks=2, recompute="block",
+    config = StepConfig(dp=6, tp=8, pp=64, microbatch=1, schedule="interleaved-1f1b", chunks=2, recompute="block",
                     **MEGATRON_2021)  # fmt: skip
     return Row("1T on 3,072 GPUs", "Narayanan et al. 2021, table 1", shape, config, b, s, A100,
                flops / (163e12 * 3072), "163 TFLOP/s")  # fmt: skip
@@ -106,7 +106,7 @@ def _llama3() -> list[Row]:
     rows = []
     for gpus, dp, cp, seq, per, tflops in ((8192, 64, 1, 8192, 32, 430), (16384, 128, 1, 8192, 16, 400),
                                             (16384, 8, 16, 131072, 16, 380)):  # fmt: skip
-        config = Config(dp=dp, tp=8, pp=16, cp=cp, microbatch=1, schedule="interleaved-1f1b", chunks=8, **LLAMA3)
+        config = StepConfig(dp=dp, tp=8, pp=16, cp=cp, microbatch=1, schedule="interleaved-1f1b", chunks=8, **LLAMA3)
         flops = workload(LLAMA3_405B, config, batch=dp * per, seq=seq).model_flops
         name = f"405B on {gpus:,} GPUs" + (f", cp={cp}, seq {seq:,}" if cp > 1 else "")
         rows.append(Row(name, "Llama 3 (Dubey et al. 2024), table 4", LLAMA3_405B, config, dp * per, seq, H100,
@@ -119,7 +119,7 @@ def rows() -> list[Row]:
     return _korthikanti() + [_narayanan()] + _llama3()
 
 
-def predicted(row: Row, config: Config | None = None) -> Prediction:
+def predicted(row: Row, config: StepConfig | None = None) -> Prediction:
     return predict(workload(row.shape, config or row.config, batch=row.batch, seq=row.seq), row.profile)
 
 
@@ -128,7 +128,7 @@ def errors(results: list[tuple[Row, Prediction]]) -> list[float]:
     return [(p.step_time - r.published) / r.published for r, p in results]
 
 
-def _config_text(c: Config) -> str:
+def _config_text(c: StepConfig) -> str:
     mesh = ",".join(f"{a}={getattr(c, a)}" for a in ("dp", "tp", "pp", "cp", "ep") if getattr(c, a) > 1) or "dp=1"
     sched = f" {c.schedule} v={c.chunks}" if c.pp > 1 else ""
     return f"{mesh} mb={c.microbatch}{sched} {c.recompute}{' sp' if c.sp else ''}{f' zero{c.zero}' if c.zero else ''}"
@@ -145,7 +145,7 @@ def validation(results: list[tuple[Row, Prediction]]) -> tuple[list[str], list[l
 
 def choices(results: list[tuple[Row, Prediction]]) -> tuple[list[str], list[list[str]]]:
     """The search's best configuration per distinct setup, beside the published one."""
-    from meshlib.search import search
+    from meshlib.planner import search
 
     header = ["setup", "published configuration", "predicted s", "search's best", "predicted s", "gain"]
     body, seen = [], set()

@@ -11,6 +11,7 @@ from .mesh import CANONICAL_AXES, Mesh
 from .options import Parallelism, Pipelining, Running
 from .plan import Boundary, Collective, Kept, Memory, Plan, Precision, Stage
 from .planned import predict_plan, workload_of
+from .planner import Candidate, search
 from .predict import Prediction, predict
 from .rules import LogicalRules, PatternRules, Rule, apply_rules, compose, dims, logical_rules, pattern_rules
 from .schedules import (
@@ -28,6 +29,7 @@ from .schedules import (
 from .sharding import UNEVEN_POLICIES, NamedSharding
 from .simulation import Simulation, bubble_formula, gantt, simulate, validate_schedule
 from .spec import UNCONSTRAINED, P
+from .transformer import ModelShape, StepConfig
 from .tree import (
     ShapeDtype,
     flatten_dotted,
@@ -48,6 +50,7 @@ __all__ = [
     "Action",
     "Boundary",
     "CANONICAL_AXES",
+    "Candidate",
     "Collective",
     "Comm",
     "Compute",
@@ -59,6 +62,7 @@ __all__ = [
     "LogicalRules",
     "Memory",
     "Mesh",
+    "ModelShape",
     "ModelState",
     "NamedSharding",
     "P",
@@ -78,6 +82,7 @@ __all__ = [
     "Stage",
     "StageCompute",
     "StageWork",
+    "StepConfig",
     "UNCONSTRAINED",
     "UNEVEN_POLICIES",
     "Workload",
@@ -102,6 +107,7 @@ __all__ = [
     "predict",
     "predict_plan",
     "schedule",
+    "search",
     "simulate",
     "tp_comm_bytes",
     "tree_shardings",

@@ -1,4 +1,4 @@
-"""A decoder-only transformer's training step in closed form: `ModelShape`, `Config`, `workload()`.
+"""A decoder-only transformer's training step in closed form: `ModelShape`, `StepConfig`, `workload()`.
 
 The planner cannot trace a 400B-parameter model for every configuration it tries; it writes the step down
 instead. `workload(shape, config, batch=, seq=)` returns the `Workload` that `meshlib.predict` times: per
@@ -18,7 +18,7 @@ Example:
     ...                   bias=True, tied=True, dropout=True)
     >>> round(gpt3.params() / 1e9, 1)
     174.6
-    >>> w = workload(gpt3, Config(dp=1, tp=8, pp=8, microbatch=1, schedule="interleaved-1f1b", chunks=3,
+    >>> w = workload(gpt3, StepConfig(dp=1, tp=8, pp=8, microbatch=1, schedule="interleaved-1f1b", chunks=3,
     ...              recompute="selective", sp=True, flash=False), batch=64, seq=2048)
     >>> w.mesh, w.microbatches, w.chunks
     (Mesh(dp=1, pp=8, cp=1, ep=1, tp=8), 64, 3)
@@ -36,7 +36,10 @@ from .schedules import resolve_schedule
 from .schedules import schedule as build_schedule
 from .workload import Compute, StageWork, Workload
 
-__all__ = ["CP_METHODS", "RECOMPUTE_MODES", "TP_OVERLAPS", "Config", "ModelShape", "workload"]
+__all__ = [
+    "CP_METHODS", "RECOMPUTE_MODES", "TP_OVERLAPS", "ModelShape", "StepConfig", "compute_bound", "scheduled_peaks",
+    "workload",
+]  # fmt: skip
 
 RECOMPUTE_MODES = ("none", "selective", "block")
 CP_METHODS = ("ring", "all-gather", "all-to-all")
@@ -185,7 +188,7 @@ def _mm_weights(shape: ModelShape, width: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
+class StepConfig:
     """How a step runs: the mesh (`dp` × `ep` data ranks, `tp`, `pp`, `cp`), the ZeRO level, `recompute`
     ("none", "selective": Megatron's recompute of the attention core, "block": every layer from its input),
     `sp` (sequence parallelism), `microbatch` sequences per microbatch per data rank, the pipeline
@@ -243,17 +246,17 @@ class Config:
             except ValueError as err:
                 problems.append(f"schedule={self.schedule!r}, chunks={self.chunks}: {err}")
         if problems:
-            raise ValueError("Config: " + "; ".join(problems))
+            raise ValueError("StepConfig: " + "; ".join(problems))
 
     @property
     def mesh(self) -> Mesh:
         return Mesh(dp=self.dp, pp=self.pp, cp=self.cp, ep=self.ep, tp=self.tp)
 
-    def replace(self, **changes) -> Config:
-        return Config(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+    def replace(self, **changes) -> StepConfig:
+        return StepConfig(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
 
-def workload(shape: ModelShape, config: Config, *, batch: int, seq: int) -> Workload:
+def workload(shape: ModelShape, config: StepConfig, *, batch: int, seq: int) -> Workload:
     """One training step of `shape` run as `config`: `batch` sequences of `seq` tokens (global)."""
     m = _check(shape, config, batch, seq)
     v = config.chunks if config.pp > 1 else 1
@@ -266,7 +269,7 @@ def workload(shape: ModelShape, config: Config, *, batch: int, seq: int) -> Work
                     microbatches=m, chunks=v)  # fmt: skip
 
 
-def compute_bound(shape: ModelShape, config: Config, *, batch: int, seq: int, profile) -> float:
+def compute_bound(shape: ModelShape, config: StepConfig, *, batch: int, seq: int, profile) -> float:
     """A lower bound on the step time of `config`: its busiest pipeline rank's forward and backward compute
     over the step's microbatches, with no recompute, communication, bubble or optimizer (what every
     configuration sharing its tp, cp, ep and microbatch computes at least). Cheap: the stages' compute is
@@ -285,7 +288,7 @@ def compute_bound(shape: ModelShape, config: Config, *, batch: int, seq: int, pr
     return busiest * m
 
 
-def _check(shape: ModelShape, c: Config, batch: int, seq: int) -> int:
+def _check(shape: ModelShape, c: StepConfig, batch: int, seq: int) -> int:
     """The microbatches per step; raises naming what does not divide."""
     data = c.dp * c.ep
     problems = []
@@ -334,13 +337,13 @@ def scheduled_peaks(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _stage(shape: ModelShape, c: Config, seq: int, m: int, rank: int, chunks: tuple, peak: int) -> StageWork:
+def _stage(shape: ModelShape, c: StepConfig, seq: int, m: int, rank: int, chunks: tuple, peak: int) -> StageWork:
     """The ranks at pipeline coordinate `rank` (`_stage_of`: alike middle stages computed once)."""
     return _stage_of(shape, c, seq, m, rank == 0, rank == c.pp - 1, chunks, peak)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_of(shape: ModelShape, c: Config, seq: int, m: int, first: bool, last: bool, chunks: tuple,
+def _stage_of(shape: ModelShape, c: StepConfig, seq: int, m: int, first: bool, last: bool, chunks: tuple,
               peak: int) -> StageWork:  # fmt: skip
     """The ranks holding `chunks` (`(dense, moe)` layers each): the embedding on the first, the head and loss on
     the last."""
@@ -364,7 +367,7 @@ def _stage_of(shape: ModelShape, c: Config, seq: int, m: int, first: bool, last:
 _PASSES: dict = {}
 
 
-def _passes(shape: ModelShape, c: Config, b: int, seq: int, dense: int, moe: int, first: bool, last: bool):
+def _passes(shape: ModelShape, c: StepConfig, b: int, seq: int, dense: int, moe: int, first: bool, last: bool):
     """`transformer_work.stage_passes`, computed once per set of the fields it reads (`COMPUTE_FIELDS`): a
     search tries many configurations that compute alike (other ZeRO levels, data and pipeline degrees)."""
     key = (shape, *(getattr(c, f) for f in _work.COMPUTE_FIELDS), b, seq, dense, moe, first, last)
@@ -376,7 +379,7 @@ def _passes(shape: ModelShape, c: Config, b: int, seq: int, dense: int, moe: int
     return found
 
 
-def _optimizer(params: tuple[float, float], c: Config) -> Compute:
+def _optimizer(params: tuple[float, float], c: StepConfig) -> Compute:
     """AdamW over the rank's shard of the model state, bound by memory: read the fp32 gradient, master weight
     and two moments and write the three back and the compute-dtype copy (30 bytes a parameter), read the
     gradient again for its norm (4), and zero the local gradient buffer (4 a gradient). Its few FLOPs a

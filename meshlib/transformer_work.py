@@ -211,7 +211,7 @@ def _ends(shape, c, n: int, embed: bool, head: bool) -> Passes:
     return Passes(fwd, Compute(back_mm, bytes=b_, ops=8), Compute(), weight)  # recompute keeps to the layers
 
 
-# the `Config` fields `stage_passes` reads (the rest, ZeRO and the data and pipeline degrees among them, do not
+# the `StepConfig` fields `stage_passes` reads (the rest, ZeRO and the data and pipeline degrees among them, do not
 # change what a stage computes per microbatch); `transformer._passes` caches by them
 COMPUTE_FIELDS = ("dtype", "reduce_dtype", "fused_accumulation", "tp", "cp", "sp", "ep", "recompute", "flash",
                   "cp_method")  # fmt: skip

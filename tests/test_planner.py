@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from meshlib import A100, Mesh, Plan, device_profile, predict_plan, workload_of
-from meshlib.search import MESHLIB_RUNTIME, search
-from meshlib.transformer import Config, ModelShape, workload
+from meshlib.planner import MESHLIB_RUNTIME, search
+from meshlib.transformer import ModelShape, StepConfig, workload
 
 torch = pytest.importorskip("torch")
 
@@ -85,7 +85,7 @@ def test_a_compiled_plan_computes_and_moves_what_the_closed_form_says(mesh, opti
     batch, seq = 8, 128
     model = models.build("llama-small")
     m = options.get("microbatches", 1)
-    config = Config(**mesh, microbatch=batch // mesh["dp"] // m, dtype="float32", **MESHLIB_RUNTIME)
+    config = StepConfig(**mesh, microbatch=batch // mesh["dp"] // m, dtype="float32", **MESHLIB_RUNTIME)
     tokens = torch.zeros(batch, seq, dtype=torch.long)
     plan = compile_model(model, mesh=config.mesh, rules=models.default_rules("llama-small", config.mesh),
                          example_inputs=(tokens, tokens), estimate_memory=True, **options).plan  # fmt: skip
@@ -137,19 +137,19 @@ def test_the_run_line_names_every_option_of_the_plan():
 
 
 def test_what_a_stage_computes_depends_only_on_the_fields_the_search_caches_it_by():
-    """`transformer._passes` caches a stage's compute by `COMPUTE_FIELDS`: every other field of `Config`
+    """`transformer._passes` caches a stage's compute by `COMPUTE_FIELDS`: every other field of `StepConfig`
     (ZeRO, the data and pipeline degrees, the schedule, the runtime's overlap flags) leaves it as it is."""
     import dataclasses
 
     from meshlib import transformer_work as work
 
     shape = ModelShape(layers=8, hidden=512, heads=8, kv_heads=4, ffn=2048, vocab=1000, gated=True, norm="rmsnorm")
-    base = Config(dp=2, tp=2, pp=2, cp=2, sp=True, microbatch=2, recompute="selective")
+    base = StepConfig(dp=2, tp=2, pp=2, cp=2, sp=True, microbatch=2, recompute="selective")
     before = work.stage_passes(shape, base, 2, 1024, 4, 0, embed=True, head=False)
     others = {"dp": 4, "pp": 4, "zero": 3, "schedule": "zb-h1", "dp_overlap": False, "tp_overlap": "all",
               "microbatch": 4}  # fmt: skip
     assert not set(others) & set(work.COMPUTE_FIELDS)
-    assert {f.name for f in dataclasses.fields(Config)} - set(others) - {"async_p2p", "chunks"} >= set(
+    assert {f.name for f in dataclasses.fields(StepConfig)} - set(others) - {"async_p2p", "chunks"} >= set(
         work.COMPUTE_FIELDS)
     for name, value in others.items():
         assert work.stage_passes(shape, base.replace(**{name: value}), 2, 1024, 4, 0, embed=True, head=False) == before

@@ -18,7 +18,7 @@ import pytest
 
 from meshlib.cost import activation_bytes, dp_comm_bytes, tp_comm_bytes
 from meshlib.devices import A100
-from meshlib.transformer import Config, ModelShape, workload
+from meshlib.transformer import ModelShape, StepConfig, workload
 from meshlib.transformer_comm import stage_comm, step_comm
 from meshlib.transformer_work import chunk_activation, layer_split, stage_params
 
@@ -74,7 +74,7 @@ def test_flops_equal_korthikanti_and_narayanan(tp, pp):
     shape = gpt(layers=n, hidden=h, vocab=v)
     model = 72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
     assert 3 * shape.forward_flops(b * s, s) == pytest.approx(model, rel=1e-12)
-    c = Config(dp=1, tp=tp, pp=pp, recompute="block", flash=False, schedule="1f1b")
+    c = StepConfig(dp=1, tp=tp, pp=pp, recompute="block", flash=False, schedule="1f1b")
     w = workload(shape, c, batch=b, seq=s)
     assert w.model_flops == pytest.approx(model, rel=1e-12)
     narayanan = 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
@@ -83,8 +83,8 @@ def test_flops_equal_korthikanti_and_narayanan(tp, pp):
 
 def test_flash_attention_halves_the_causal_scores():
     shape = gpt(vocab=1024)
-    full = workload(shape, Config(dp=1, tp=1, pp=1, flash=False), batch=2, seq=512)
-    flash = workload(shape, Config(dp=1, tp=1, pp=1, flash=True), batch=2, seq=512)
+    full = workload(shape, StepConfig(dp=1, tp=1, pp=1, flash=False), batch=2, seq=512)
+    flash = workload(shape, StepConfig(dp=1, tp=1, pp=1, flash=True), batch=2, seq=512)
     attention = 4 * 512 * 512 * 256 * shape.layers  # QK^T and PV, forward, one sequence per microbatch
     assert full.stages[0].forward.total_flops - flash.stages[0].forward.total_flops == pytest.approx(attention / 2)
     assert flash.stages[0].backward.flops == pytest.approx(2.5 * flash.stages[0].forward.flops)  # recomputed scores
@@ -98,7 +98,7 @@ def test_activations_equal_korthikanti(recompute, tp, sp):
     without the scores under selective recompute; 2sbh (2sbh/t with sp) under block recompute."""
     s, b, h, a = 2048, 2, 1024, 16
     shape = gpt(hidden=h, heads=a)
-    c = Config(dp=1, tp=tp, pp=1, sp=sp, recompute=recompute, flash=False, dtype="float16")
+    c = StepConfig(dp=1, tp=tp, pp=1, sp=sp, recompute=recompute, flash=False, dtype="float16")
     expected = activation_bytes(s, b, h, a, t=tp, sp=sp, recompute=recompute)
     assert chunk_activation(shape, c, b, s, 1, 0) == pytest.approx(expected, rel=1e-12)
 
@@ -107,7 +107,7 @@ def test_pipeline_memory_counts_the_schedules_microbatches_in_flight():
     shape, b, s = gpt(layers=8), 1, 1024
     kept = []
     for sched, v in (("1f1b", 1), ("gpipe", 1)):
-        c = Config(dp=1, tp=1, pp=4, schedule=sched, chunks=v, recompute="block", flash=False)
+        c = StepConfig(dp=1, tp=1, pp=4, schedule=sched, chunks=v, recompute="block", flash=False)
         kept.append(workload(shape, c, batch=16, seq=s).stages[1].memory)
     layer = activation_bytes(s, b, 256, 8, recompute="block")
     assert kept[1] - kept[0] == pytest.approx((16 - 3) * 2 * layer)  # stage 1 of 1F1B holds 3, GPipe 16
@@ -118,10 +118,10 @@ def test_pipeline_memory_counts_the_schedules_microbatches_in_flight():
 def test_tensor_parallel_bytes_equal_megatron(t):
     b, s, h, layers = 2, 1024, 512, 6
     shape = gpt(layers=layers, hidden=h)
-    plain = stage_comm(shape, Config(dp=1, tp=t, pp=1, flash=False), b, s, layers, 0, embed=False, head=False)
+    plain = stage_comm(shape, StepConfig(dp=1, tp=t, pp=1, flash=False), b, s, layers, 0, embed=False, head=False)
     assert sum(bus(c, t) for c in plain) == pytest.approx(tp_comm_bytes(b, s, h, layers, t, itemsize=2))
     assert {c.kind for c in plain} == {"all_reduce"}
-    sp = stage_comm(shape, Config(dp=1, tp=t, pp=1, sp=True, flash=False), b, s, layers, 0, embed=False, head=False)
+    sp = stage_comm(shape, StepConfig(dp=1, tp=t, pp=1, sp=True, flash=False), b, s, layers, 0, embed=False, head=False)
     # the same bus bytes, plus backward's re-gather of each column-parallel product's input (Megatron keeps it split)
     assert sum(bus(c, t) for c in sp) == pytest.approx(1.25 * tp_comm_bytes(b, s, h, layers, t, itemsize=2))
 
@@ -129,7 +129,7 @@ def test_tensor_parallel_bytes_equal_megatron(t):
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_data_parallel_bytes_equal_zero(zero):
     n = 8
-    c = Config(dp=n, tp=1, pp=1, zero=zero, reduce_dtype="bfloat16")
+    c = StepConfig(dp=n, tp=1, pp=1, zero=zero, reduce_dtype="bfloat16")
     params = stage_params(gpt(), c, 4, 0, embed=True, head=True)
     comms = step_comm(params, c, 1, tied=False, embed_bytes=0.0)
     assert sum(bus(x, n) for x in comms) == pytest.approx(dp_comm_bytes(2 * params[0], n, zero=zero))
@@ -139,12 +139,12 @@ def test_context_and_expert_parallel_bytes():
     """Ring: (cp-1) K/V hops forward, K, V and their gradients back; EP: T·k·h each way, twice forward."""
     shape = ModelShape(layers=2, hidden=256, heads=8, kv_heads=2, ffn=512, vocab=100, experts=8, top_k=2,
                        moe_ffn=128, gated=True)  # fmt: skip
-    cp = stage_comm(shape, Config(dp=1, tp=1, pp=1, cp=4), 1, 1024, 0, 2, embed=False, head=False)
+    cp = stage_comm(shape, StepConfig(dp=1, tp=1, pp=1, cp=4), 1, 1024, 0, 2, embed=False, head=False)
     kv = 2 * 256 * 2 * (256 // 8 * 2)  # bytes of a rank's 256 tokens of K and V (2 kv heads of 32)
     hops = [c for c in cp if c.axes == ("cp",)]
     assert sum(c.bytes * c.count for c in hops if c.phase == "forward") == 3 * 2 * kv
     assert sum(c.bytes * c.count for c in hops if c.phase == "backward") == 2 * 3 * 2 * kv
-    ep = stage_comm(shape, Config(dp=1, tp=1, pp=1, ep=4), 1, 1024, 0, 2, embed=False, head=False)
+    ep = stage_comm(shape, StepConfig(dp=1, tp=1, pp=1, ep=4), 1, 1024, 0, 2, embed=False, head=False)
     assert [(c.kind, c.bytes, c.count) for c in ep if c.phase == "forward"] == [("all_to_all", 2 * 1024 * 2 * 256, 4)]
 
 
@@ -164,11 +164,11 @@ def test_errors_name_the_field_and_the_fix():
     with pytest.raises(ValueError, match="top_k"):
         ModelShape(layers=2, hidden=64, heads=4, ffn=128, vocab=10, experts=4)
     with pytest.raises(ValueError, match="recompute='all'"):
-        Config(dp=1, tp=1, pp=1, recompute="all")
+        StepConfig(dp=1, tp=1, pp=1, recompute="all")
     with pytest.raises(ValueError, match="sp=True needs tp > 1"):
-        Config(dp=1, tp=1, pp=1, sp=True)
+        StepConfig(dp=1, tp=1, pp=1, sp=True)
     with pytest.raises(ValueError, match="batch=6 must be a multiple of dp\\*ep\\*microbatch=4"):
-        workload(gpt(), Config(dp=4, tp=1, pp=1), batch=6, seq=128)
+        workload(gpt(), StepConfig(dp=4, tp=1, pp=1), batch=6, seq=128)
 
 
 # -- the published table ----------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_closed_form_bytes_equal_the_compiled_plan():
                          example_inputs=(x, x.clone())).plan  # fmt: skip
     shape = ModelShape(layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads, ffn=cfg.hidden_dim,
                        vocab=cfg.vocab_size, gated=True, norm="rmsnorm")  # fmt: skip
-    c = Config(dp=2, tp=2, pp=1, microbatch=b // 2, dtype="float32", reduce_dtype="float32")
+    c = StepConfig(dp=2, tp=2, pp=1, microbatch=b // 2, dtype="float32", reduce_dtype="float32")
     w = workload(shape, c, batch=b, seq=s)
     bsh = b // 2 * s * cfg.dim * 4
     ours = sum(x.bytes * x.count for x in w.stages[0].comm if x.axes == ("tp",) and x.bytes == bsh)

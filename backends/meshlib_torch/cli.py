@@ -135,7 +135,7 @@ def plan_main(args) -> Plan:
 
 def auto_main(args) -> Plan:
     """`meshlib plan --auto`: the search's best plans, why, the best one's full plan and how to run it."""
-    from meshlib.search import search
+    from meshlib.planner import search
 
     from .planner import compile_candidate, model_shape, run_command
 

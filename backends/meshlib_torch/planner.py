@@ -1,7 +1,7 @@
 """`meshlib plan --auto`: the planner's search on a torch model, and the winners compiled into full plans.
 
 `model_shape(model)` reads the closed-form shape (`meshlib.transformer.ModelShape`) from a bundled model's
-config or a transformers model's `config`; `auto_plans(model, ...)` searches (`meshlib.search`) and compiles
+config or a transformers model's `config`; `auto_plans(model, ...)` searches (`meshlib.planner`) and compiles
 the best configurations on the meta device, each a `Plan` whose prediction comes from its own dry run
 (every op the ranks run, every collective the plan lists). `run_command` is the `meshlib run` line that
 trains the plan.
@@ -14,7 +14,7 @@ import math
 import torch
 
 from meshlib import Plan, device_profile, predict_plan
-from meshlib.search import Candidate, search
+from meshlib.planner import Candidate, search
 from meshlib.transformer import ModelShape
 
 from . import models

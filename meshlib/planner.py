@@ -1,4 +1,4 @@
-"""The planner's search: which parallelism, in which order, for this model on these devices.
+"""The planner: which parallelism, in which order, for this model on these devices (`search`).
 
 `search(shape, devices=, batch=, seq=, profile=)` tries the meshes the devices factor into (tp inside a
 node, cp, ep for experts, pp, the rest dp), for each the microbatch size, the pipeline schedule and its
@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from .devices import DeviceProfile, device_profile
 from .predict import Prediction, predict
 from .simulation import bubble_formula
-from .transformer import Config, ModelShape, compute_bound, workload
+from .transformer import ModelShape, StepConfig, compute_bound, workload
 
 __all__ = ["Candidate", "MESHLIB_RUNTIME", "search"]
 
-# how meshlib's torch runtime runs a step, where that changes its time (`transformer.Config`'s flags):
+# how meshlib's torch runtime runs a step, where that changes its time (`transformer.StepConfig`'s flags):
 # fused attention (SDPA), gradient reductions and ZeRO's gathers overlapping compute (hooks, FSDP2),
 # tensor-parallel collectives waiting for their matrix products
 MESHLIB_RUNTIME = {"flash": True, "dp_overlap": True, "tp_overlap": "none"}
@@ -50,7 +50,7 @@ _RECOMPUTE = ("none", "selective", "block")
 class Candidate:
     """A configuration that fits, its predicted step, and (for the best ones) why each axis is there."""
 
-    config: Config
+    config: StepConfig
     prediction: Prediction
     why: tuple[str, ...] = field(default=())
 
@@ -189,7 +189,7 @@ def _skeletons(shape, devices, batch, seq, profile, dtype, run, exhaustive):
                 break
             m = per // b
             for sched in _schedules(shape, pp, m, exhaustive):
-                config = Config(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, microbatch=b, schedule=sched[0],
+                config = StepConfig(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, microbatch=b, schedule=sched[0],
                                 chunks=sched[1], dtype=dtype, **run)  # fmt: skip
                 bubble = bubble_formula(sched[0], pp, m, sched[1] if sched[1] > 1 else None) if pp > 1 else 0.0
                 yield compute_bound(shape, config, batch=batch, seq=seq, profile=profile) / (1 - bubble), mesh, b, sched
@@ -204,7 +204,7 @@ def _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exh
     split = sched[0] in ("zb-h1", "zbv")
     modes = ("none",) if split else ("none", "selective", "block")
     zeros = (0, 1, 2, 3) if dp * cp * ep > 1 else (0,)
-    make = lambda **kw: Config(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, microbatch=b, schedule=sched[0],  # noqa: E731
+    make = lambda **kw: StepConfig(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, microbatch=b, schedule=sched[0],  # noqa: E731
                                chunks=sched[1], dtype=dtype, **run, **kw)  # fmt: skip
     least = max(s.memory for s in workload(shape, make(zero=zeros[-1], recompute=modes[-1]), batch=batch,
                                            seq=seq).stages)  # fmt: skip
@@ -267,7 +267,7 @@ def _gib(n: float) -> str:
     return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:,.1f} MiB"
 
 
-def _axis_line(axis: str, c: Config, t: float, space: _Space) -> str:
+def _axis_line(axis: str, c: StepConfig, t: float, space: _Space) -> str:
     n = getattr(c, axis)
     if axis == "ep" and not space.shape.experts:
         return "ep: not a mixture-of-experts model"
