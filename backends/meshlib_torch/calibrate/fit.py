@@ -102,10 +102,8 @@ def _link_at(points, kinds, cores: int, gamma: float) -> dict:
         rows = [[max(1.0, n / cores) ** gamma * v for v in comm_terms(kind, n, b)] for _, n, b, _ in mine]
         target = [t for *_, t in mine]
         x = [float(v) for v in _lstsq(rows, target)]
-        if x[0] < 0:  # latency below what the data can resolve: none
-            x = [0.0, float(_lstsq([r[1:] for r in rows], target)[0])]
-        if x[1] <= 0:
-            raise ValueError(f"collective fit: {kind}'s time does not grow with its bytes ({mine})")
+        if x[0] < 0 or x[1] <= 0:  # latency below what the data resolve, or times that do not grow with the
+            x = [0.0, float(_lstsq([r[1:] for r in rows], target)[0])]  # bytes (a loaded machine): bytes alone
         alpha[kind], bandwidth[kind] = x[0], 1.0 / x[1]
         fitted |= {tuple(p): float(r[0] * x[0] + r[1] * x[1]) for p, r in zip(mine, rows)}
     out = [(*p, fitted[tuple(p)]) for p in points]
