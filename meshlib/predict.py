@@ -7,7 +7,8 @@
   itself (CPUs). Ranks beyond a CPU host's cores share them.
 - **Communication.** Each collective runs over the ranks its mesh axes span. Mesh axes map to links in
   row-major rank order, `profile.devices_per_node` consecutive ranks a node: a group within one node uses
-  the inner link, any other the outer one. Time is alpha-beta: `steps * alpha + bus_bytes / bandwidth`,
+  the inner link, any other the outer one. Time is alpha-beta: `steps * alpha + bus_bytes / bandwidth` (alpha
+  per kind of collective where the link measured one), slowed where CPU ranks outnumber their host's cores,
   with the ring's steps (n-1, or 2(n-1) for an all-reduce) or a tree's (2·log2 n) where fewer, and the bus
   bytes of a ring ((n-1)/n of the payload, twice for an all-reduce).
 - **Overlap**, where the runtime overlaps: gradient reductions run behind the last microbatch's backward,
@@ -120,7 +121,7 @@ def comm_time(comm: Comm, mesh: Mesh, profile: DeviceProfile) -> float:
         bus, steps = comm.bytes, 1
     else:
         bus, steps = (n - 1) / n * comm.bytes, n - 1
-    return steps * link.alpha + bus / link.bus_bandwidth(kind)
+    return (steps * link.alpha_for(kind) + bus / link.bus_bandwidth(kind)) * profile.comm_slowdown(mesh.size)
 
 
 def compute_time(c: Compute, profile: DeviceProfile, dtype: str, share: float = 1.0) -> float:
@@ -129,7 +130,7 @@ def compute_time(c: Compute, profile: DeviceProfile, dtype: str, share: float = 
     bw = profile.memory_bandwidth * profile.memory_efficiency * share
     device = sum(n * max(f / (peak * profile.matmul_fraction(f)), b / bw) for f, b, n in c.matmuls if f > 0)
     device += c.bytes / bw + c.flops / (peak * profile.fused_efficiency)
-    host = c.op_count * profile.host_per_op
+    host = c.op_count * profile.host_per_op / share  # ranks sharing a host's cores share its host time too
     return max(device, host) if profile.host_overlaps else device + host
 
 
