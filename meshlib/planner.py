@@ -36,7 +36,7 @@ from .predict import Prediction, predict
 from .simulation import bubble_formula
 from .transformer import ModelShape, StepConfig, compute_bound, workload
 
-__all__ = ["Candidate", "MESHLIB_RUNTIME", "search"]
+__all__ = ["Candidate", "MESHLIB_RUNTIME", "SIMPLER", "search"]
 
 # how meshlib's torch runtime runs a step, where that changes its time (`transformer.StepConfig`'s flags):
 # fused attention (SDPA), gradient reductions and ZeRO's gathers overlapping compute (hooks, FSDP2),
@@ -260,7 +260,9 @@ def _why(best: Candidate, space: _Space) -> tuple[str, ...]:
 
 def _slower(alt: Candidate, t: float) -> str:
     gap = alt.prediction.step_time / t - 1
-    return f"{gap:.1%} slower" if abs(gap) < 0.1 else f"{gap:.0%} slower"
+    if gap < 0:  # ranked below for its extra axis: faster by less than `SIMPLER` an axis
+        return f"{-gap:.1%} faster, less than the {SIMPLER:.0%} per axis an extra axis must gain"
+    return f"{gap:.1%} slower" if gap < 0.1 else f"{gap:.0%} slower"
 
 
 def _gib(n: float) -> str:
