@@ -169,3 +169,17 @@ def test_the_in_flight_microbatches_in_closed_form_are_the_schedules_own(name, v
                 except ValueError:  # a (p, m, v) the schedule does not run
                     continue
                 assert _peaks(name, p, m, v) == want, (p, m, v)
+
+
+def test_auto_plans_returns_the_search_and_the_first_compiled_with_its_prediction():
+    """From Python: the candidates, and the best one compiled into a plan whose prediction comes from its own
+    dry run (the same mesh, and a peak within the device memory asked for)."""
+    from meshlib_torch import auto_plans
+
+    found, plans = auto_plans(models.build("gpt-small"), devices=4, profile="cpu", batch=8, seq=128,
+                              device_memory=4 * 2**30, top=3, dtype="float32")  # fmt: skip
+    assert len(found) <= 3 and len(plans) == 1
+    plan = plans[0]
+    assert plan.mesh.size == 4 and plan.prediction is not None
+    assert plan.prediction == predict_plan(plan.replace(prediction=None), device_profile("cpu"))
+    assert tuple(plan.mesh.axis_sizes) == tuple(found[0].config.mesh.axis_sizes)

@@ -115,8 +115,8 @@ def auto_plans(
     found = search(shape, devices=devices, batch=batch, seq=seq, profile=profile, device_memory=device_memory,
                    dtype=dtype, top=top)  # fmt: skip
     if rules is None:
-        cfg = getattr(model, "cfg", None)
-        if cfg is None:
+        cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+        if cfg is None or type(cfg) not in {type(c) for c in models.CONFIGS.values()}:
             raise ValueError("auto_plans: give rules= (a function of the mesh) for a model that is not bundled")
         rules = lambda mesh: models.default_rules(cfg, mesh)  # noqa: E731
     plans = [compile_candidate(model, c, rules=rules, batch=batch, seq=seq, profile=profile)
@@ -143,10 +143,3 @@ def run_command(candidate: Candidate, *, model: str, batch: int, seq: int, devic
     parts += [f"--cp-method {c.cp_method}"] if c.cp > 1 else []
     parts += ["--precision bf16"] if c.dtype == "bfloat16" else []
     return " ".join(parts)
-
-
-def shape_params_match(model, shape: ModelShape) -> bool:
-    """Whether the shape's closed-form parameter count is the model's own (tied weights counted once)."""
-    seen = {id(p): p.numel() for p in model.parameters()}
-    return sum(seen.values()) == shape.params()
-
