@@ -123,12 +123,14 @@ def bench_cpu(quick: bool) -> None:
         meas.append(measured)
         mem_errs.append(mem_err)
         what = ", ".join(f"{k}={v}" for k, v in options.items())
-        rows.append((model[0], mesh, what or "-", f"{pred.step_time:.3f}", f"{measured:.3f}", f"{err:+.0%}",
+        parts = " / ".join(f"{1e3 * t:.0f}" for t in (pred.compute, pred.comm, pred.bubble, pred.optimizer))
+        rows.append((model[0], mesh, what or "-", f"{pred.step_time:.3f}", parts, f"{measured:.3f}", f"{err:+.0%}",
                      f"{max(planned_peaks) / MiB:.1f}", f"{max(peaks) / MiB:.1f}", f"{mem_err:.1%}"))  # fmt: skip
         print(rows[-1], flush=True)
     errs = [abs(p / m - 1) for p, m in zip(preds, meas)]
     print()
-    print(markdown(("model", "mesh", "options", "predicted s", "measured s", "error", "plan peak MiB",
+    print(markdown(("model", "mesh", "options", "predicted s", "compute / comm / bubble / update ms", "measured s",
+                    "error", "plan peak MiB",
                     "measured peak MiB", "peak error (worst rank)"), rows))  # fmt: skip
     print(f"\nSpearman {spearman(preds, meas):.3f}; step error mean {statistics.mean(errs):.1%}, max {max(errs):.1%}; "
           f"peak error mean {statistics.mean(mem_errs):.1%}, max {max(mem_errs):.1%}")

@@ -90,8 +90,10 @@ class DeviceProfile:
     - `fused_efficiency`: the fraction of peak that FLOPs outside plain matrix products reach (a fused
       attention kernel: its softmax and masking run between its products);
     - `devices_per_node`, `links`: the network, innermost level first (inside a node, then across nodes);
-    - `host_per_op`: seconds of host time per op (launch, dispatch); `host_overlaps`: whether the host runs
-      ahead of the device (GPUs: a step takes the longer of the two) or computes itself (CPUs: the sum);
+    - `host_per_op`: seconds of host time per op (launch, dispatch); `host_per_update_op`: the same for the
+      optimizer's update (None: `host_per_op`; on CPU ranks each update op runs through DTensor's dispatch);
+      `host_overlaps`: whether the host runs ahead of the device (GPUs: a step takes the longer of the two)
+      or computes itself (CPUs: the sum);
     - `cores`: on a CPU host, the cores its ranks share (0: every device computes alone); ranks beyond it
       share them, each computing `cores / ranks` as fast;
     - `comm_oversubscription`: on such a host, a collective takes `(ranks / cores) ** comm_oversubscription`
@@ -110,6 +112,7 @@ class DeviceProfile:
     memory_efficiency: float = 0.8
     fused_efficiency: float = 1.0
     host_per_op: float = 0.0
+    host_per_update_op: float | None = None
     host_overlaps: bool = True
     cores: int = 0
     comm_oversubscription: float = 0.0
@@ -132,8 +135,8 @@ class DeviceProfile:
             problems.append(f"fused_efficiency={self.fused_efficiency} in (0, 1]")
         if self.devices_per_node < 1 or not self.links or len(self.links) > 2:
             problems.append(f"devices_per_node={self.devices_per_node} >= 1 and one or two links ({self.links})")
-        if self.host_per_op < 0 or self.cores < 0 or self.comm_oversubscription < 0:
-            problems.append("host_per_op, cores and comm_oversubscription >= 0")
+        if min(self.host_per_op, self.host_per_update_op or 0, self.cores, self.comm_oversubscription) < 0:
+            problems.append("host_per_op, host_per_update_op, cores and comm_oversubscription >= 0")
         if problems:
             raise ValueError(f"DeviceProfile {self.name!r}: " + "; ".join(problems))
 
@@ -149,6 +152,11 @@ class DeviceProfile:
     def matmul_fraction(self, flops: float) -> float:
         """The fraction of peak a matrix product of `flops` FLOPs reaches."""
         return self.matmul_efficiency * flops / (flops + self.matmul_half) if flops > 0 else 0.0
+
+    @property
+    def update_host(self) -> float:
+        """Seconds of host time per op of the optimizer's update."""
+        return self.host_per_op if self.host_per_update_op is None else self.host_per_update_op
 
     def comm_slowdown(self, ranks: int) -> float:
         """How many times longer than its link's alpha-beta time a collective takes while `ranks` ranks share

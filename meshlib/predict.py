@@ -124,13 +124,17 @@ def comm_time(comm: Comm, mesh: Mesh, profile: DeviceProfile) -> float:
     return (steps * link.alpha_for(kind) + bus / link.bus_bandwidth(kind)) * profile.comm_slowdown(mesh.size)
 
 
-def compute_time(c: Compute, profile: DeviceProfile, dtype: str, share: float = 1.0) -> float:
-    """Seconds `c` takes on one device that computes `share` as fast as it would alone."""
+def compute_time(
+    c: Compute, profile: DeviceProfile, dtype: str, share: float = 1.0, host: float | None = None
+) -> float:
+    """Seconds `c` takes on one device that computes `share` as fast as it would alone; `host`: the host's
+    seconds per op (the profile's `host_per_op` by default)."""
     peak = profile.flops_per_s(dtype) * share
     bw = profile.memory_bandwidth * profile.memory_efficiency * share
     device = sum(n * max(f / (peak * profile.matmul_fraction(f)), b / bw) for f, b, n in c.matmuls if f > 0)
     device += c.bytes / bw + c.flops / (peak * profile.fused_efficiency)
-    host = c.op_count * profile.host_per_op / share  # ranks sharing a host's cores share its host time too
+    per_op = profile.host_per_op if host is None else host
+    host = c.op_count * per_op / share  # ranks sharing a host's cores share its host time too
     return max(device, host) if profile.host_overlaps else device + host
 
 
@@ -156,7 +160,7 @@ def predict(workload: Workload, profile: DeviceProfile, *, simulate_pipeline: bo
     stage_comm = max(p[2] for p in per) * m
     compute = max(p[3] for p in per) * m
     exposed_step = max(_step_comm(s, mesh, profile, per[i], m) for i, s in enumerate(workload.stages))
-    optimizer = max(compute_time(s.optimizer, profile, "float32", share) for s in workload.stages)
+    optimizer = max(compute_time(s.optimizer, profile, "float32", share, profile.update_host) for s in workload.stages)
     step = makespan + exposed_step + optimizer
     comm_bytes = max(sum(c.bytes * c.count for c in s.comm) * m + sum(c.bytes * c.count for c in s.step_comm)
                      for s in workload.stages)  # fmt: skip

@@ -61,8 +61,9 @@ class ModelShape:
     matrices, else two). `experts` (0: dense) routed experts of width `moe_ffn` (0: `ffn`), `top_k` of them
     per token, plus `shared_experts` of that width; the first `dense_layers` layers stay dense. `tied`: the
     head reuses the embedding. `norm`: "layernorm" (weight and bias) or "rmsnorm". `bias`: linear biases
-    (GPT). `positions`: learned position embeddings (GPT; 0: rotary). `dropout`: attention and hidden
-    dropout during training (GPT-3, Megatron's GPT; their masks are kept for backward)."""
+    (GPT). `qkv_bias`: biases on the query, key and value projections alone (Qwen2). `positions`: learned
+    position embeddings (GPT; 0: rotary). `dropout`: attention and hidden dropout during training (GPT-3,
+    Megatron's GPT; their masks are kept for backward)."""
 
     layers: int
     hidden: int
@@ -85,6 +86,7 @@ class ModelShape:
     bias: bool = False
     positions: int = 0
     dropout: bool = False
+    qkv_bias: bool = False
 
     def __post_init__(self):
         problems = _positive(self, ("layers", "hidden", "heads", "ffn", "vocab"))
@@ -147,7 +149,7 @@ class ModelShape:
         kv, v = self.kv_heads * self.head_dim, self.kv_heads * self.v_head_dim
         q_proj = h * self.q_rank + self.q_rank + self.q_rank * q if self.q_rank else h * q
         kv_proj = h * self.kv_rank + self.kv_rank + self.kv_rank * (kv + v) if self.kv_rank else h * (kv + v)
-        biases = (q + kv + v + h) if self.bias else 0
+        biases = (q + kv + v + h) if self.bias else (q + kv + v) if self.qkv_bias else 0
         return q_proj + kv_proj + o * h + biases + 2 * self._norm()
 
     def _mlp_params(self, width: int) -> int:

@@ -1,7 +1,8 @@
 """The planner: model shapes read from real models, the search against exhaustive search, plans' predictions.
 
-Method: `model_shape` of every bundled model and of transformers' Llama, GPT-2 and Mixtral (small configs,
-meta device) gives the model's own parameter count exactly. The search's best equals the best of the
+Method: `model_shape` of every bundled model, of transformers' Llama, Qwen2, GPT-2 and Mixtral (small configs,
+meta device) and of a user's own decoder written without a config (read off its modules) gives the model's
+own parameter count exactly; a reading whose count differs is refused. The search's best equals the best of the
 exhaustive search under the same cost model on a small space, every candidate fits the memory it was given,
 and a space where nothing fits is refused naming the least any configuration needs. A compiled plan's dry
 run counts the same matrix-product FLOPs per rank, and moves the same tensor- and data-parallel bytes, as
@@ -46,6 +47,9 @@ def test_a_transformers_models_shape_has_its_parameter_count():
         (transformers.MixtralForCausalLM, transformers.MixtralConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=100, num_local_experts=4, num_experts_per_tok=2)),
+        (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=100)),
     ]  # fmt: skip
     for cls, cfg in cases:
         with torch.device("meta"):
@@ -54,8 +58,43 @@ def test_a_transformers_models_shape_has_its_parameter_count():
 
 
 def test_a_model_without_a_config_is_refused_naming_what_is_read():
-    with pytest.raises(ValueError, match=r"(?s)reads a model's shape.*Linear has neither.*num_hidden_layers"):
+    with pytest.raises(ValueError, match=r"(?s)could not read Linear's shape.*no nn.ModuleList.*num_hidden_layers"):
         model_shape(torch.nn.Linear(2, 2))
+
+
+def test_a_users_own_decoder_without_a_config_is_read_off_its_modules():
+    """nanoGPT's layout (tied head, learned positions, LayerNorm, biases, fused qkv) and Llama's (SwiGLU,
+    RMSNorm, grouped key/value heads, untied head), each written here without a config."""
+    import user_decoder
+
+    model = user_decoder.Decoder(vocab=64, dim=32, n_head=4, n_layer=3, context=16)
+    assert model_shape(model) == ModelShape(layers=3, hidden=32, heads=4, ffn=128, vocab=64, tied=True, bias=True,
+                                            positions=16)  # fmt: skip
+    assert model_shape(model).params() == _own_count(model)
+    llama = models.build("llama-tiny-gqa")
+    llama.cfg = None  # a Llama of the user's own: nothing but its modules
+    got = model_shape(llama)
+    assert got == ModelShape(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=256, gated=True, norm="rmsnorm")
+    assert got.params() == _own_count(llama)
+
+
+def test_a_shape_whose_count_differs_from_the_model_is_refused():
+    """A module with parameters the reading does not see (a second head here) is priced as another model:
+    refused with both counts."""
+    import user_decoder
+
+    model = user_decoder.Decoder(vocab=64, dim=32, n_head=4, n_layer=2)
+    model.extra = torch.nn.Linear(32, 32)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)from its modules as ModelShape.*has 28,032 parameters; the module "
+        r"has 29,088\. The planner would price another model\. Fix: give",
+    ):
+        model_shape(model)
+    del model.blocks[0].attn.n_head
+    del model.blocks[1].attn.n_head
+    with pytest.raises(ValueError, match=r"its block Block: found no attribute naming its attention heads \(n_heads"):
+        model_shape(model)
 
 
 def test_the_search_finds_the_exhaustive_best_and_every_candidate_fits():
@@ -124,6 +163,30 @@ def test_auto_prints_the_best_plans_why_and_how_to_run_the_first(capsys):
     assert "the best plans for 4" in printed and "why this plan" in printed and "predicted step" in printed
     line = printed.split("run it:")[1].strip()
     assert line.startswith("meshlib run --nproc-per-node 4 --model gpt-small --mesh ")
+
+
+def test_auto_plans_a_users_own_model_read_off_its_modules(capsys, tmp_path, monkeypatch):
+    """`meshlib plan --auto --model package.module:build` on a decoder written without a config: the search
+    reads its shape off the modules, the winner compiles from the module's own `rules`, and the line that
+    trains it is the `parallelize` call with the plan's options."""
+    import shutil
+    from pathlib import Path
+
+    from meshlib_torch.cli import main
+
+    (tmp_path / "userpkg").mkdir()
+    (tmp_path / "userpkg" / "__init__.py").write_text("")
+    shutil.copy(Path(__file__).with_name("user_decoder.py"), tmp_path / "userpkg" / "dec.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    main(["plan", "--auto", "--model", "userpkg.dec:build", "--devices", "2", "--profile", "cpu", "--batch", "4",
+          "--seq", "16", "--top", "2", "--json", str(tmp_path / "plan.json")])  # fmt: skip
+    printed = capsys.readouterr().out
+    plan = Plan.from_json((tmp_path / "plan.json").read_text())
+    assert "the best plans for 2" in printed and "predicted step" in printed and "run it:" not in printed
+    line = printed.split("train it (every rank, under torchrun; meshlib run trains the bundled models):")[1]
+    mesh = ", ".join(f"{a}={n}" for a, n in zip(plan.mesh.axis_names, plan.mesh.axis_sizes) if n > 1)
+    assert line.strip().startswith(f"parallelize(model, mesh=Mesh({mesh}), rules=rules, example_inputs=batch, zero=")
+    assert plan.mesh.size == 2 and plan.prediction is not None
 
 
 def test_the_run_line_names_every_option_of_the_plan():

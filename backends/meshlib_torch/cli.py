@@ -137,7 +137,7 @@ def auto_main(args) -> Plan:
     """`meshlib plan --auto`: the search's best plans, why, the best one's full plan and how to run it."""
     from meshlib.planner import search
 
-    from .planner import compile_candidate, model_shape, run_command
+    from .planner import compile_candidate, model_shape, parallelize_call, run_command
 
     if not args.profile:
         raise ValueError("--auto predicts step times on some devices: give --profile a100|h100|cpu|FILE.json")
@@ -152,9 +152,8 @@ def auto_main(args) -> Plan:
     limit = args.device_memory or profile.memory
     for i, cand in enumerate(found):  # the dry run has the last word on memory
         model, rules, inputs, kwargs, _ = _subject(args, cand.config.mesh, seq)
-        example = {**dict(zip(("tokens", "targets"), inputs)), **kwargs} if kwargs else inputs
         plan = compile_candidate(model, cand, rules=rules, batch=args.batch, seq=seq, profile=profile,
-                                 example=example)  # fmt: skip
+                                 example=inputs, example_kwargs=kwargs)  # fmt: skip
         if plan.prediction.memory <= limit:
             break
         print(f"plan {i + 1} ({cand.mesh}) needs {human_bytes(plan.prediction.memory)} per rank by its dry run, "
@@ -169,6 +168,9 @@ def auto_main(args) -> Plan:
     if not _own(args):
         print("\nrun it:\n  " + run_command(cand, model=args.model, batch=args.batch, seq=seq,
                                              devices_per_node=profile.devices_per_node))  # fmt: skip
+    else:
+        print("\ntrain it (every rank, under torchrun; meshlib run trains the bundled models):\n  "
+              + parallelize_call(cand, batch=args.batch))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             f.write(plan.to_json(indent=1))

@@ -14,7 +14,9 @@ batch of each measurement (`compute.timed`: the one other processes disturbed le
   `memory_efficiency` what elementwise ops reach as a model runs them (fresh tensors; the median of add,
   mul and scale) over it, both on 16 MiB tensors (`fit_memory`); `memory` is the host's RAM, which its ranks
   share;
-- **host**: `host_per_op` is the mean of a tiny op's forward under autograd and its share of backward;
+- **host**: `host_per_op` and `host_per_update_op` are a compiled model's forward-and-backward and update
+  time per counted op where the arithmetic is nil (`runtime.runtime_times`: 8-wide tensors); measurements
+  without it fall back to the mean of a tiny op's forward under autograd and its share of backward;
 - **cores**: the whole number nearest the most work N ranks computing at once did together, in units of one
   rank alone (N x each one's speed; `fit_cores`);
 - **the link**: `steps * alpha_for(kind) + bus / (bandwidth * efficiency[kind])`, `meshlib.predict.comm_time`'s
@@ -150,10 +152,19 @@ def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
         name=name, flops=tuple(flops.items()), matmul_efficiency=efficiency, matmul_half=mm["float32"]["half"],
         memory=_memory_bytes(), memory_bandwidth=bandwidth, memory_efficiency=mem_eff,
         fused_efficiency=fit_attention(m["attention"], flops["float32"]), devices_per_node=max(m["ranks"]),
-        links=(link,), host_per_op=(host["op_grad"] + host["backward_op"]) / 2, host_overlaps=False, cores=cores,
+        links=(link,), **_host(m, host), host_overlaps=False, cores=cores,
         comm_oversubscription=comm["gamma"], source=_source(m), extra=tuple(extra.items()),
     )  # fmt: skip
     return profile, {"matmul": mm, "cores": cores, "speed": speed, "link": comm}
+
+
+def _host(m: dict, host: dict) -> dict:
+    """`host_per_op` and `host_per_update_op`: a compiled model's ops as its runtime runs them (`runtime`),
+    or, from measurements without them, a tiny op's forward under autograd and its share of backward."""
+    if "runtime" in m:
+        rt = m["runtime"]
+        return {"host_per_op": rt["graph_op"][0], "host_per_update_op": rt["update_op"][0]}
+    return {"host_per_op": (host["op_grad"] + host["backward_op"]) / 2}
 
 
 def _memory_bytes() -> int:

@@ -2,8 +2,8 @@
 
 The order, written once (`measure`): on the smallest pool, rank 0 alone (the others idle) measures the
 matrix products, the elementwise ops, fused attention, the host's time per op and the reference job of
-`busy_compute`; then, for each world size asked for, every rank runs the reference job at once, and the
-collectives.
+`busy_compute`; a pool of one rank, the host's time per op of a compiled model (`runtime`); then, for each
+world size asked for, every rank runs the reference job at once, and the collectives.
 The pools are `meshlib_torch.testing.pool`'s: workers forked from a forkserver that has imported torch,
 one torch thread each, one gloo group per pool.
 """
@@ -18,7 +18,7 @@ import time
 import torch
 
 from ..testing.pool import get_pool
-from . import collectives, compute
+from . import collectives, compute, runtime
 
 __all__ = ["measure", "on_rank0"]
 
@@ -47,6 +47,8 @@ def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> di
     out["host"] = _rank0(first, compute.host_times, target=target, batches=batches)
     seqs = (256, 1024) if quick else (256, 1024, 2048)
     out["attention"] = _rank0(first, compute.attention_times, seqs, target=target, batches=batches)
+    say("host time per op of a compiled model's step (meshlib's runtime) on one rank")
+    out["runtime"] = get_pool(1).run(runtime.runtime_times, target=target, batches=batches, timeout=_TIMEOUT)[0]
     reps = 4 if quick else 10
     out["busy"] = {"1": _busy(first, True, reps)}
     out["collectives"] = []

@@ -39,7 +39,8 @@ def _profile(cal) -> Table:
         ("fused_efficiency", f"{p.fused_efficiency:.3f}", "causal fused attention / flops[float32]"),
         ("memory_bandwidth", f"{p.memory_bandwidth / 1e9:.2f} GB/s", "streaming copy / add into a kept tensor"),
         ("memory_efficiency", f"{p.memory_efficiency:.3f}", "fresh-tensor add, mul, scale (median) / that"),
-        ("host_per_op", f"{p.host_per_op * 1e6:.2f} us", "tiny op: forward under autograd and backward, mean"),
+        ("host_per_op", f"{p.host_per_op * 1e6:.2f} us", "a compiled model's forward and backward, per op"),
+        ("host_per_update_op", f"{p.update_host * 1e6:.2f} us", "its update (AdamW on DTensors), per op"),
         ("host_overlaps", str(p.host_overlaps), "CPU ranks compute on the host"),
         ("cores", str(p.cores), "the most work N ranks did at once, in ranks alone"),
         ("comm_oversubscription", f"{p.comm_oversubscription:.2f}", "collectives x (N/cores)^this for N > cores"),
@@ -85,6 +86,9 @@ def _memory_host(cal) -> Table:
             "op_grad": "tiny x * y under autograd", "backward_op": "backward, per op of a chain"}  # fmt: skip
     pad = ("",) * (len(sizes) - 1)
     rows += [(f"host: {what.get(k, k)}, us", f"{v[0] * 1e6:.2f}", *pad) for k, v in m["host"].items()]
+    runtime = {"graph_op": "compiled model, forward + backward, per op", "update_op": "its update, per op"}
+    rows += [(f"host: {runtime[k]}, us", f"{v[0] * 1e6:.2f}", *pad) for k, v in m.get("runtime", {}).items()
+             if k in runtime]  # fmt: skip
     rows += [(*row, *pad) for row in _attention_rows(cal)]
     return Table(
         "memory traffic, host time and fused attention on one rank",
