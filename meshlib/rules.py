@@ -335,6 +335,10 @@ def describe(rule: Rule) -> str:
 
 
 
+def _first(paths: list[str], n: int = 10) -> str:
+    return ", ".join(paths[:n]) + (f" and {len(paths) - n} more" if len(paths) > n else "")
+
+
 def apply_rules(tree: Any, rule: Callable[[str, Any], P | None], /) -> Any:
     """A tree of `P`, the structure of `tree`, from `rule(path, leaf)`.
 
@@ -347,21 +351,26 @@ def apply_rules(tree: Any, rule: Callable[[str, Any], P | None], /) -> Any:
         {'embed': P('tp'), 'out': {'w': P()}}
     """
     pairs, treespec = flatten_with_paths(tree)
-    out, unmatched, errors = [], [], []
+    out, unmatched, errors, not_p = [], [], [], {}
     for path, leaf in pairs:
         spec = rule(path, leaf)
         if spec is None:
             unmatched.append(path)
         elif not isinstance(spec, P):
-            errors.append(f"{path}: rule gave {spec!r}, not a P")
+            not_p.setdefault(repr(spec)[:200], []).append(path)
         elif hasattr(leaf, "shape") and len(spec) > leaf_ndim(leaf):
             errors.append(
                 f"{path}: spec {spec!r} has {len(spec)} entries but the tensor has rank "
                 f"{leaf_ndim(leaf)} (shape {leaf_shape(leaf)})"
             )
         out.append(spec)
+    for given, paths in not_p.items():  # one line per value given, however many leaves it was given for
+        errors.append(
+            f"the rule gave {given}, not a P, for {plural(len(paths), 'leaf', 'leaves')}: {_first(paths)}. Fix: "
+            "return a P (or None) from the rule; a function of the mesh that makes rules is called with the mesh first"
+        )
     if unmatched:
-        shown = ", ".join(unmatched[:10]) + (f" and {len(unmatched) - 10} more" if len(unmatched) > 10 else "")
+        shown = _first(unmatched)
         errors.insert(
             0,
             f"no rule ({describe(rule)}) matches {plural(len(unmatched), 'leaf', 'leaves')}: {shown}. "

@@ -109,3 +109,16 @@ def test_strict_logical_rules_catch_typos_and_defaults_are_checked_early():
     with pytest.raises(TypeError, match="compose\\(default='heads embed'\\)"):
         compose(pattern_rules({}), default="heads embed")
     assert pattern_rules({}, default="heads embed", logical={"heads": "tp"})("x", W) == P("tp", None)
+
+
+def test_a_rule_giving_something_else_than_a_p_is_said_once_for_all_its_leaves():
+    """A rules factory passed where a rule goes gives its rules, not a P, for every leaf: one line says so
+    (the count, the first ten paths, the fix), not one line per leaf."""
+    from meshlib.rules import apply_rules
+
+    params = {f"layers.{i}.w": ShapeDtype((4, 4)) for i in range(30)}
+    with pytest.raises(ValueError) as err:
+        apply_rules(params, lambda path, leaf: "heads embed")
+    text = str(err.value)
+    assert text.count("not a P") == 1 and "for 30 leaves: layers.0.w, layers.1.w" in text and "and 20 more" in text
+    assert "Fix: return a P (or None) from the rule" in text

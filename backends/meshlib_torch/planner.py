@@ -49,13 +49,15 @@ def compile_candidate(
 
 
 def _is_rule(rules) -> bool:
-    """A rule (path, leaf) -> P is itself callable; a rules factory takes the mesh alone."""
+    """A rule (path, leaf) -> P is itself callable; a rules factory takes the mesh alone (any further
+    parameter has a default)."""
     import inspect
 
     try:
-        return len(inspect.signature(rules).parameters) == 2
+        params = inspect.signature(rules).parameters.values()
     except (TypeError, ValueError):
         return False
+    return sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) == 2
 
 
 def _pipeline(c) -> dict:

@@ -29,21 +29,24 @@ def runtime_times(*, target: float = 0.02, batches: int = 5) -> dict[str, tuple[
     - `graph_op`: the forward and backward of one microbatch over the ops the dry run counts in them;
     - `update_op`: one optimizer step (meshlib's AdamW over DTensor parameters) over its counted ops.
     Both also as `ops.graph`, `ops.update`: the counts (fastest = median)."""
-    from .. import compile_model, data, models, parallelize
+    from ..compiler.compile import compile_model
+    from ..data import batch
+    from ..models import build, config, default_rules, model_class
+    from ..runtime.parallelize import parallelize
 
     torch.set_num_threads(1)
-    cfg = models.config("llama-tiny", **TINY)
+    cfg = config("llama-tiny", **TINY)
     mesh = Mesh(dp=1)
-    example = data.batch(0, batch_size=1, seq_len=TINY["max_seq_len"])
-    rules = models.default_rules(cfg, mesh)
+    example = batch(0, batch_size=1, seq_len=TINY["max_seq_len"])
+    rules = default_rules(cfg, mesh)
     with torch.device("meta"):
-        plan = compile_model(models.build(cfg), mesh=mesh, rules=rules, example_inputs=example,
+        plan = compile_model(build(cfg), mesh=mesh, rules=rules, example_inputs=example,
                              estimate_memory=True).plan  # fmt: skip
     work = plan.compute[0]
     graph_ops, update_ops = work.forward.op_count + work.backward.op_count, work.optimizer.op_count
-    cls = models.model_class(cfg)
+    cls = model_class(cfg)
     with torch.device("meta"):
-        module = models.build(cfg)
+        module = build(cfg)
     model = parallelize(module, mesh=mesh, rules=rules, example_inputs=example, init=lambda n: cls.param_init(n, cfg))
     opt = model.optimizer(lr=1e-4)
 
