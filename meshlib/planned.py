@@ -8,7 +8,10 @@ meshlib's runtime runs them:
   all-to-alls) runs once per microbatch, in its phase; the ring's hops travel behind their blocks;
 - the gradient sync runs as backward frees the gradients (per-parameter hooks; FSDP2's reduce-scatters
   under ZeRO-2/3): behind the last microbatch's backward. ZeRO-2/3's parameter gathers are prefetched
-  (FSDP2): behind the step's compute. ZeRO-1's gather of the updated shards follows the update;
+  (FSDP2): behind the step's compute. ZeRO-1's gather of the updated shards follows the update. FSDP2
+  moves a unit's parameters (a layer's; the rest of the model is one more unit) in one collective over a
+  flat buffer: the plan lists each parameter's bytes, the time model pays one call per unit
+  (`fsdp_unit`);
 - a pipeline's activations and their gradients cross each stage boundary once per microbatch.
 
 Example:
@@ -39,6 +42,33 @@ __all__ = ["predict_plan", "workload_of"]
 GRAD_SYNC, PARAM_GATHER = "grad sync", "param gather"
 
 
+def fsdp_unit(name: str) -> str:
+    """The FSDP2 unit a parameter's ZeRO-2/3 traffic moves in: its layer (the path up to the first index,
+    `layers.3` of `layers.3.attention.wq.weight`), or the root unit for parameters outside the layers."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def _per_unit(comms: list[Comm], units: list[str | None]) -> list[Comm]:
+    """FSDP2's collectives (`units[i]` not None) merged into one per unit, kind, axes, phase and count."""
+    out, merged = [], {}
+    for c, unit in zip(comms, units):
+        if unit is None:
+            out.append(c)
+            continue
+        key = (unit, c.kind, c.axes, c.phase, c.count, c.overlap)
+        if key in merged:
+            i = merged[key]
+            out[i] = Comm(c.kind, c.axes, out[i].bytes + c.bytes, c.phase, c.count, c.overlap)
+        else:
+            merged[key] = len(out)
+            out.append(c)
+    return out
+
+
 def workload_of(plan: Plan) -> Workload:
     """`plan`'s step as a `Workload`; the plan needs its dry run's compute (`estimate_memory=True`)."""
     if not plan.compute:
@@ -65,15 +95,18 @@ def predict_plan(plan: Plan, profile: DeviceProfile | str, *, simulate_pipeline:
 def _stage(plan: Plan, r: int, m: int) -> StageWork:
     staged = bool(plan.stages)
     work = plan.compute[r]
-    per, step = [], []
+    per, step, units = [], [], []
     for c in plan.rank_collectives(r if staged else None):
         if staged and c.kind == "send_recv" and c.axes == (plan.pp_axis,):
             continue  # the boundary's activations: the pipeline's sends (`send`)
         if c.op in (GRAD_SYNC, PARAM_GATHER):
             overlap = "backward" if c.op == GRAD_SYNC else ("forward" if c.phase != "optimizer" else "none")
             step.append(Comm(c.kind, c.axes, c.bytes, c.phase, c.count, overlap))
+            fsdp = c.reason in ("zero-2", "zero-3") and c.kind in ("all_gather", "reduce_scatter")
+            units.append(fsdp_unit(c.node) if fsdp else None)
         elif c.phase == "step":
             step.append(Comm(c.kind, c.axes, c.bytes, c.phase, c.count))
+            units.append(None)
         else:
             overlap = "compute" if c.op.startswith("lax.ppermute") else "none"
             per.append(Comm(c.kind, c.axes, c.bytes, c.phase, c.count / m, overlap))
@@ -82,6 +115,6 @@ def _stage(plan: Plan, r: int, m: int) -> StageWork:
     mem = plan.rank_memory(r if staged else None)
     return StageWork(
         forward=work.forward, backward=backward, recompute=work.recompute, weight=work.weight, comm=tuple(per),
-        send=max(sends, default=0.0), step_comm=tuple(step), optimizer=work.optimizer or Compute(),
+        send=max(sends, default=0.0), step_comm=tuple(_per_unit(step, units)), optimizer=work.optimizer or Compute(),
         memory=mem.peak if mem is not None else 0,
     )  # fmt: skip

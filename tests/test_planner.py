@@ -246,3 +246,24 @@ def test_auto_plans_returns_the_search_and_the_first_compiled_with_its_predictio
     assert plan.mesh.size == 4 and plan.prediction is not None
     assert plan.prediction == predict_plan(plan.replace(prediction=None), device_profile("cpu"))
     assert tuple(plan.mesh.axis_sizes) == tuple(found[0].config.mesh.axis_sizes)
+
+
+def test_fsdp2s_collectives_are_timed_one_per_unit_with_every_parameters_bytes():
+    """Under ZeRO-3 the plan lists each parameter's gather and reduce-scatter (its bytes, as the counter
+    measures them); FSDP2 moves a layer's parameters in one collective, so the workload has one per unit (4
+    layers and the root) and each phase, carrying the same bytes."""
+    from collections import Counter
+
+    from meshlib.planned import fsdp_unit
+    from meshlib_torch import data
+
+    assert fsdp_unit("layers.3.attention.wq.weight") == "layers.3" and fsdp_unit("tok_embeddings.weight") == ""
+    cfg, mesh = models.config("llama-small"), Mesh(dp=4)
+    plan = compile_model(models.build(cfg), mesh=mesh, rules=models.default_rules(cfg, mesh),
+                         example_inputs=data.batch(0, batch_size=8, seq_len=16), estimate_memory=True, zero=3).plan  # fmt: skip
+    step = workload_of(plan).stages[0].step_comm
+    assert Counter((c.kind, c.phase) for c in step) == {("reduce_scatter", "backward"): 5, ("all_gather", "forward"): 5,
+                                                        ("all_gather", "backward"): 5}  # fmt: skip
+    listed = [c for c in plan.collectives if c.op in ("grad sync", "param gather")]
+    assert len(listed) == 3 * len(plan.specs) and sum(c.bytes * c.count for c in step) == sum(
+        c.bytes * c.count for c in listed)
