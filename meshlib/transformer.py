@@ -21,7 +21,7 @@ Example:
     >>> w = workload(gpt3, StepConfig(dp=1, tp=8, pp=8, microbatch=1, schedule="interleaved-1f1b", chunks=3,
     ...              recompute="selective", sp=True, flash=False), batch=64, seq=2048)
     >>> w.mesh, w.microbatches, w.chunks
-    (Mesh(dp=1, pp=8, cp=1, ep=1, tp=8), 64, 3)
+    (Mesh(pp=8, dp=1, cp=1, ep=1, tp=8), 64, 3)
 """
 
 from __future__ import annotations
@@ -252,7 +252,9 @@ class StepConfig:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(dp=self.dp, pp=self.pp, cp=self.cp, ep=self.ep, tp=self.tp)
+        """The mesh, outermost axis first as Megatron orders its ranks (pp, dp, cp, ep, tp): tp inside a node,
+        and the data axes (dp, cp, ep) neighbours, as FSDP2 needs to shard over them together."""
+        return Mesh(pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, tp=self.tp)
 
     def replace(self, **changes) -> StepConfig:
         return StepConfig(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})

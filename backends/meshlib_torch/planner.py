@@ -49,14 +49,14 @@ def compile_candidate(
 
 
 def _is_rule(rules) -> bool:
-    """A rule (path, leaf) -> P is itself callable; a rules factory takes the mesh alone (any further
-    parameter has a default)."""
+    """Whether `rules` is a rule (path, leaf) -> P rather than a rules factory of the mesh: a rules object
+    (meshlib's `pattern_rules`, `logical_rules`, ...), or a function of two required arguments. A function of
+    one required argument (`lambda mesh, cfg=cfg: ...`) makes the rules for a mesh."""
     import inspect
 
-    try:
-        params = inspect.signature(rules).parameters.values()
-    except (TypeError, ValueError):
-        return False
+    if not (inspect.isfunction(rules) or inspect.ismethod(rules)):
+        return callable(rules)
+    params = inspect.signature(rules).parameters.values()
     return sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) == 2
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..modules.repeat import standing_for
 from .flops import SCORES
 from .inputs import Problem
 
@@ -86,6 +87,20 @@ def _tiles(q: torch.Tensor, cols: int):
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
+def _stepped(q: torch.Tensor, cols: int) -> list[tuple[int, int, int]]:
+    """`(r0, r1, n)`: the tiles to run, each standing for `n` alike. Every tile once (n = 1), except in a dry
+    run (meta tensors: no value is read), where the second tile stands for every later tile of its size: its
+    ops are counted for all of them (`modules.repeat`), and its temporaries, beside the first tile's results,
+    are each one's (the dry run's peak)."""
+    tiles = _tiles(q, cols)
+    if not q.is_meta or len(tiles) < 4:
+        return [(r0, r1, 1) for r0, r1 in tiles]
+    size = tiles[0][1] - tiles[0][0]
+    alike = sum(r1 - r0 == size for r0, r1 in tiles)  # the first tiles (all but perhaps the last)
+    # two run: the second's temporaries meet the first's results, as every later tile's do
+    return [(*tiles[0], 1), (*tiles[1], alike - 1)] + [(r0, r1, 1) for r0, r1 in tiles[alike:]]
+
+
 def _scores(q, k, scale: float, mask: Mask | None, r0: int, r1: int) -> torch.Tensor:
     """Scores of query rows [r0, r1), (B, Hkv, G, r1 - r0, cols): shifted by the mask's bias, -inf where hidden."""
     q = q[:, :, :, r0:r1]
@@ -100,16 +115,21 @@ def _scores(q, k, scale: float, mask: Mask | None, r0: int, r1: int) -> torch.Te
 def _forward(q, k, v, scale: float, mask: Mask | None) -> tuple:
     """(out, lse) of one block, tile by tile of query rows, each from its scores with their row max subtracted."""
     outs, lses = [], []
-    for r0, r1 in _tiles(q, k.shape[-2]):
-        s = _scores(q, k, scale, mask, r0, r1)
-        b, kv_heads, group, rows, _ = s.shape
-        top = s.amax(-1, keepdim=True)
-        top = torch.where(top.isfinite(), top, 0)  # a row that sees no key: its exponentials are all 0
-        e = torch.exp(s - top)
-        total = e.sum(-1, keepdim=True)
-        safe = torch.where(total > 0, total, 1)
-        outs.append((e.view(b, kv_heads, group * rows, -1) @ v).view(b, kv_heads, group, rows, v.shape[-1]) / safe)
-        lses.append(torch.where(total > 0, top + torch.log(safe), _NEG))
+    for r0, r1, n in _stepped(q, k.shape[-2]):
+        with standing_for(n):
+            s = _scores(q, k, scale, mask, r0, r1)
+            b, kv_heads, group, rows, _ = s.shape
+            top = s.amax(-1, keepdim=True)
+            top = torch.where(top.isfinite(), top, 0)  # a row that sees no key: its exponentials are all 0
+            e = torch.exp(s - top)
+            total = e.sum(-1, keepdim=True)
+            safe = torch.where(total > 0, total, 1)
+            out = (e.view(b, kv_heads, group * rows, -1) @ v).view(b, kv_heads, group, rows, v.shape[-1]) / safe
+            outs.append(out)
+            lses.append(torch.where(total > 0, top + torch.log(safe), _NEG))
+        with standing_for(0):  # the alike tiles' results (a dry run): held as the loop holds them, not counted
+            outs += [torch.empty_like(out) for _ in range(n - 1)]
+            lses += [torch.empty_like(lses[-1]) for _ in range(n - 1)]
     return torch.cat(outs, 3), torch.cat(lses, 3)
 
 
@@ -142,21 +162,27 @@ def grads(q, k, v, out, lse, grad_out, grad_lse, scale: float, mask: Mask | None
     Scores are computed again a tile of query rows at a time (`_Block`'s formulas)."""
     k, v = k.to(q.dtype), v.to(q.dtype)
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for r0, r1 in _tiles(q, k.shape[-2]):
-        qt, ot, lt, go = q[:, :, :, r0:r1], out[:, :, :, r0:r1], lse[:, :, :, r0:r1], grad_out[:, :, :, r0:r1]
-        b, kv_heads, group, rows, d = qt.shape
-        s = _scores(q, k, scale, mask, r0, r1)
-        p = torch.where(lt.isfinite(), torch.exp(s - torch.where(lt.isfinite(), lt, 0)), 0)
-        flat_p, flat_go = p.view(b, kv_heads, group * rows, -1), go.reshape(b, kv_heads, group * rows, -1)
-        grad_v += flat_p.transpose(-1, -2) @ flat_go
-        dp = (flat_go @ v.transpose(-1, -2)).view_as(p)
-        shift = (go * ot).sum(-1, keepdim=True)
-        if grad_lse is not None:
-            shift = shift - grad_lse[:, :, :, r0:r1]
-        ds = (p * (dp - shift)).view(b, kv_heads, group * rows, -1)
-        grad_q[:, :, :, r0:r1] = (ds @ k).view_as(qt) * scale
-        grad_k += ds.transpose(-1, -2) @ qt.reshape(b, kv_heads, group * rows, d) * scale
+    for r0, r1, n in _stepped(q, k.shape[-2]):
+        with standing_for(n):
+            _tile_grads(q, k, v, out, lse, grad_out, grad_lse, scale, mask, r0, r1, grad_q, grad_k, grad_v)
     return grad_q, grad_k, grad_v
+
+
+def _tile_grads(q, k, v, out, lse, grad_out, grad_lse, scale, mask, r0, r1, grad_q, grad_k, grad_v) -> None:
+    """`grads` for the query rows [r0, r1): their dQ written, their share of dK and dV added."""
+    qt, ot, lt, go = q[:, :, :, r0:r1], out[:, :, :, r0:r1], lse[:, :, :, r0:r1], grad_out[:, :, :, r0:r1]
+    b, kv_heads, group, rows, d = qt.shape
+    s = _scores(q, k, scale, mask, r0, r1)
+    p = torch.where(lt.isfinite(), torch.exp(s - torch.where(lt.isfinite(), lt, 0)), 0)
+    flat_p, flat_go = p.view(b, kv_heads, group * rows, -1), go.reshape(b, kv_heads, group * rows, -1)
+    grad_v += flat_p.transpose(-1, -2) @ flat_go
+    dp = (flat_go @ v.transpose(-1, -2)).view_as(p)
+    shift = (go * ot).sum(-1, keepdim=True)
+    if grad_lse is not None:
+        shift = shift - grad_lse[:, :, :, r0:r1]
+    ds = (p * (dp - shift)).view(b, kv_heads, group * rows, -1)
+    grad_q[:, :, :, r0:r1] = (ds @ k).view_as(qt) * scale
+    grad_k += ds.transpose(-1, -2) @ qt.reshape(b, kv_heads, group * rows, d) * scale
 
 
 def merge(a: tuple, b: tuple) -> tuple:

@@ -18,6 +18,7 @@ from torch.utils.flop_counter import flop_registry
 from meshlib import Compute
 
 from ...modules.recompute import replaying
+from ...modules.repeat import times
 from ...torch_private import TorchDispatchMode, in_backward, pytree
 
 __all__ = ["OpCounter"]
@@ -57,15 +58,17 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         packet = func.overloadpacket
         name = packet.__name__
-        where = self._pass()
+        where, n = self._pass(), times()  # an op standing for n alike (`modules.repeat`)
+        if not n:
+            return out
         if packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-            self._matmuls[where][(flops, float(_nbytes((args, kwargs)) + _nbytes(out)))] += 1
+            self._matmuls[where][(flops, float(_nbytes((args, kwargs)) + _nbytes(out)))] += n
         else:
             other = self._other[where]
-            other[2] += 1
+            other[2] += n
             if name not in _FREE and not func.is_view:
-                other[1] += _nbytes((args, kwargs)) + _nbytes(out)
+                other[1] += n * (_nbytes((args, kwargs)) + _nbytes(out))
         return out
 
     def computes(self) -> dict[str, Compute]:
