@@ -94,16 +94,10 @@ def run_command(candidate: Candidate, *, model: str, batch: int, seq: int, devic
     world = c.mesh.size
     per_node = min(world, devices_per_node)
     nodes = math.ceil(world / per_node)
-    m = batch // (c.dp * c.ep * c.microbatch)
     parts = [f"meshlib run --nproc-per-node {per_node}"] + ([f"--nnodes {nodes}"] if nodes > 1 else [])
-    parts += [f"--model {model}", f"--mesh {mesh}", f"--batch {batch}", f"--seq {seq}", f"--zero {c.zero}"]
-    parts += [f"--recompute {c.recompute}"] if c.recompute != "none" else []
-    parts += ["--sp"] if c.sp else []
-    parts += [f"--microbatches {m}"] if m > 1 else []
-    if c.pp > 1:
-        parts += [f"--schedule {c.schedule}"] + ([f"--chunks {c.chunks}"] if c.schedule == "interleaved-1f1b" else [])
-    parts += [f"--cp-method {c.cp_method}"] if c.cp > 1 else []
-    parts += ["--precision bf16"] if c.dtype == "bfloat16" else []
+    parts += [f"--model {model}", f"--mesh {mesh}", f"--batch {batch}", f"--seq {seq}"]
+    flags = _options(c, batch).items()
+    parts += ["--sp" if k == "sequence_parallel" else f"--{k.replace('_', '-')} {v}" for k, v in flags]
     return " ".join(parts)
 
 
@@ -112,12 +106,19 @@ def parallelize_call(candidate: Candidate, *, batch: int) -> str:
     run`, a harness of the bundled models, does not build), under torchrun on every rank."""
     c = candidate.config
     mesh = ", ".join(f"{a}={n}" for a, n in zip(c.mesh.axis_names, c.mesh.axis_sizes) if n > 1) or "dp=1"
-    m = batch // (c.dp * c.ep * c.microbatch)
-    opts = [f"zero={c.zero}"] + ([f"recompute={c.recompute!r}"] if c.recompute != "none" else [])
-    opts += ["sequence_parallel=True"] if c.sp else []
-    opts += [f"microbatches={m}"] if m > 1 else []
-    if c.pp > 1:
-        opts += [f"schedule={c.schedule!r}"] + ([f"chunks={c.chunks}"] if c.schedule == "interleaved-1f1b" else [])
-    opts += [f"cp_method={c.cp_method!r}"] if c.cp > 1 else []
-    opts += ["precision='bf16'"] if c.dtype == "bfloat16" else []
+    opts = [f"{k}={v!r}" for k, v in _options(c, batch).items()]
     return f"parallelize(model, mesh=Mesh({mesh}), rules=rules, example_inputs=batch, {', '.join(opts)})"
+
+
+def _options(c, batch: int) -> dict:
+    """`parallelize`'s options for configuration `c` (`meshlib run` takes each as a flag of the same name)."""
+    m = batch // (c.dp * c.ep * c.microbatch)
+    opts: dict = {"zero": c.zero}
+    opts |= {"recompute": c.recompute} if c.recompute != "none" else {}
+    opts |= {"sequence_parallel": True} if c.sp else {}
+    opts |= {"microbatches": m} if m > 1 else {}
+    if c.pp > 1:
+        opts |= {"schedule": c.schedule} | ({"chunks": c.chunks} if c.schedule == "interleaved-1f1b" else {})
+    opts |= {"cp_method": c.cp_method} if c.cp > 1 else {}
+    opts |= {"precision": "bf16"} if c.dtype == "bfloat16" else {}
+    return opts
