@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,8 +95,14 @@ class DeviceProfile:
       optimizer's update (None: `host_per_op`; on CPU ranks each update op runs through DTensor's dispatch);
       `host_overlaps`: whether the host runs ahead of the device (GPUs: a step takes the longer of the two)
       or computes itself (CPUs: the sum);
-    - `cores`: on a CPU host, the cores its ranks share (0: every device computes alone); ranks beyond it
-      share them, each computing `cores / ranks` as fast;
+    - `cores`: on a CPU host, the cores its ranks share (0: every device computes alone), counted as the
+      matrix-product work ranks computing at once do together, in units of one rank alone (two SMT threads
+      of one core count less than 2); `sharing`: what was measured, `(work, N, speed)` rows: each of N ranks
+      computing `work` ("matmul", "memory", "host") at once runs at `speed` times its speed alone. A kind of
+      work with rows is priced by them (`share`), one without at `min(1, cores / N)`; `lockstep`: `(N,
+      factor)` rows, how many times longer N such ranks take to compute and communicate in lockstep (a
+      collective after each stretch of compute waits for the rank the scheduler served last) than the two
+      take apart (`lockstep_factor`);
     - `comm_oversubscription`: on such a host, a collective takes `(ranks / cores) ** comm_oversubscription`
       times its link's alpha-beta time while the ranks outnumber the cores (`comm_slowdown`; measured by
       `meshlib calibrate`, where gloo's steps wait for a rank to get a core; 0: no slowdown);
@@ -114,7 +121,9 @@ class DeviceProfile:
     host_per_op: float = 0.0
     host_per_update_op: float | None = None
     host_overlaps: bool = True
-    cores: int = 0
+    cores: float = 0.0
+    sharing: tuple[tuple[str, int, float], ...] = ()
+    lockstep: tuple[tuple[int, float], ...] = ()
     comm_oversubscription: float = 0.0
     source: str = ""
     extra: tuple[tuple[str, float], ...] = field(default=())  # measured figures a profile carries along
@@ -124,6 +133,8 @@ class DeviceProfile:
         _set(self, "flops", tuple((str(k), float(v)) for k, v in dict(self.flops).items()))
         _set(self, "links", tuple(self.links))
         _set(self, "extra", tuple((str(k), float(v)) for k, v in dict(self.extra).items()))
+        _set(self, "sharing", tuple(sorted((str(w), int(n), float(v)) for w, n, v in self.sharing)))
+        _set(self, "lockstep", tuple(sorted((int(n), float(v)) for n, v in self.lockstep)))
         problems = []
         if not self.flops or any(v <= 0 for _, v in self.flops):
             problems.append(f"flops={dict(self.flops)} must give a positive FLOP/s for at least one dtype")
@@ -137,6 +148,10 @@ class DeviceProfile:
             problems.append(f"devices_per_node={self.devices_per_node} >= 1 and one or two links ({self.links})")
         if min(self.host_per_op, self.host_per_update_op or 0, self.cores, self.comm_oversubscription) < 0:
             problems.append("host_per_op, host_per_update_op, cores and comm_oversubscription >= 0")
+        if any(n < 1 or not 0 < v <= 1 for _, n, v in self.sharing):
+            problems.append(f"sharing={self.sharing}: rows (work, ranks >= 1, speed in (0, 1])")
+        if any(n < 1 or v < 1 for n, v in self.lockstep):
+            problems.append(f"lockstep={self.lockstep}: rows (ranks >= 1, factor >= 1)")
         if problems:
             raise ValueError(f"DeviceProfile {self.name!r}: " + "; ".join(problems))
 
@@ -157,6 +172,34 @@ class DeviceProfile:
     def update_host(self) -> float:
         """Seconds of host time per op of the optimizer's update."""
         return self.host_per_op if self.host_per_update_op is None else self.host_per_update_op
+
+    def share(self, ranks: int, work: str = "matmul") -> float:
+        """The fraction of its speed alone each of `ranks` ranks on one host gets for `work` ("matmul",
+        "memory" or "host"): 1.0 on devices that do not share cores. Between two measured rank counts, the
+        work they do together (N x speed) is interpolated in log N; past the largest, it stays as there."""
+        if not self.cores or ranks <= 1:
+            return 1.0
+        rows = [(1, 1.0)] + [(n, v) for w, n, v in self.sharing if w == work and n > 1]
+        if len(rows) == 1:
+            return min(1.0, self.cores / ranks)
+        for (n0, v0), (n1, v1) in zip(rows, rows[1:]):
+            if ranks <= n1:
+                x = math.log(ranks / n0) / math.log(n1 / n0)
+                return min(1.0, (n0 * v0) ** (1 - x) * (n1 * v1) ** x / ranks)
+        n, v = rows[-1]
+        return min(1.0, n * v / ranks)
+
+    def lockstep_factor(self, ranks: int) -> float:
+        """How many times longer `ranks` ranks sharing this host's cores take to compute and communicate in
+        lockstep than apart (`lockstep`, interpolated in log N, constant past the last row; 1.0 without rows)."""
+        rows = [(1, 1.0)] + [(n, v) for n, v in self.lockstep if n > 1]
+        if not self.cores or ranks <= 1 or len(rows) == 1:
+            return 1.0
+        for (n0, v0), (n1, v1) in zip(rows, rows[1:]):
+            if ranks <= n1:
+                x = math.log(ranks / n0) / math.log(n1 / n0)
+                return v0 + (v1 - v0) * x
+        return rows[-1][1]
 
     def comm_slowdown(self, ranks: int) -> float:
         """How many times longer than its link's alpha-beta time a collective takes while `ranks` ranks share
@@ -188,7 +231,7 @@ class DeviceProfile:
         links = tuple(Link(**{**link, "efficiency": tuple(map(tuple, link.get("efficiency", ()))),
                               "alphas": tuple(map(tuple, link.get("alphas", ())))})
                       for link in data.pop("links"))  # fmt: skip
-        for name in ("flops", "extra"):
+        for name in ("flops", "extra", "sharing", "lockstep"):
             data[name] = tuple(map(tuple, data.get(name, ())))
         return cls(links=links, **data)
 

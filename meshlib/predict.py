@@ -16,7 +16,12 @@
   everything else waits.
 - **Pipeline.** The stages' per-microbatch times (compute and exposed communication) run through the
   schedule simulator (`meshlib.simulate`), each activation send `t_comm` over the pp axis's link; the bubble
-  is the busiest rank's idle time.
+  is the busiest rank's idle time. Where ranks share a host's cores, a rank waiting in the bubble lends its
+  core to the others: the step takes the longer of the schedule at each rank's speed alone and the busiest
+  rank's work at the shared speed (never more than the schedule at the shared speed throughout).
+- **Lockstep on shared cores.** Ranks sharing a host's cores take `profile.lockstep_factor(N)` times as long
+  to compute and communicate in lockstep as apart: a collective after a stretch of compute waits for the
+  rank the scheduler served last. The difference counts as exposed communication.
 
 Example:
     >>> from meshlib import Mesh
@@ -125,16 +130,16 @@ def comm_time(comm: Comm, mesh: Mesh, profile: DeviceProfile) -> float:
 
 
 def compute_time(
-    c: Compute, profile: DeviceProfile, dtype: str, share: float = 1.0, host: float | None = None
+    c: Compute, profile: DeviceProfile, dtype: str, ranks: int = 1, host: float | None = None
 ) -> float:
-    """Seconds `c` takes on one device that computes `share` as fast as it would alone; `host`: the host's
-    seconds per op (the profile's `host_per_op` by default)."""
-    peak = profile.flops_per_s(dtype) * share
-    bw = profile.memory_bandwidth * profile.memory_efficiency * share
+    """Seconds `c` takes on one device of `ranks` sharing a host (each kind of work at its `profile.share`);
+    `host`: the host's seconds per op (the profile's `host_per_op` by default)."""
+    peak = profile.flops_per_s(dtype) * profile.share(ranks, "matmul")
+    bw = profile.memory_bandwidth * profile.memory_efficiency * profile.share(ranks, "memory")
     device = sum(n * max(f / (peak * profile.matmul_fraction(f)), b / bw) for f, b, n in c.matmuls if f > 0)
     device += c.bytes / bw + c.flops / (peak * profile.fused_efficiency)
     per_op = profile.host_per_op if host is None else host
-    host = c.op_count * per_op / share  # ranks sharing a host's cores share its host time too
+    host = c.op_count * per_op / profile.share(ranks, "host")  # ranks sharing a host's cores share its host time too
     return max(device, host) if profile.host_overlaps else device + host
 
 
@@ -144,45 +149,49 @@ def predict(workload: Workload, profile: DeviceProfile, *, simulate_pipeline: bo
     `simulate_pipeline=False` takes the schedule's published bubble instead of simulating it (a search's
     quick estimate)."""
     mesh, dtype = workload.mesh, workload.dtype
-    share = _share(mesh.size, profile)
+    ranks = mesh.size  # on a host that shares its cores among them (`DeviceProfile.share`)
     m, v = workload.microbatches, workload.chunks
-    per = [_per_microbatch(s, mesh, profile, dtype, share) for s in workload.stages]  # (t_f, t_b, comm, compute)
+    per = [_per_microbatch(s, mesh, profile, dtype, ranks) for s in workload.stages]  # (t_f, t_b, comm, compute)
     t_f, t_b = max(p[0] for p in per), max(p[1] for p in per)
     busy = max((p[0] + p[1]) * m for p in per)
     if workload.schedule and workload.pp > 1:
         send = max(s.send for s in workload.stages)
         t_send = comm_time(Comm("send_recv", (workload.pp_axis,), send), mesh, profile) if send else 0.0
-        weights = [compute_time(s.weight, profile, dtype, share) for s in workload.stages if s.weight is not None]
+        weights = [compute_time(s.weight, profile, dtype, ranks) for s in workload.stages if s.weight is not None]
         t_w = min(max(weights), t_b) if len(weights) == len(workload.stages) else None
         makespan = _pipeline(workload.schedule, workload.pp, m, v, t_f, t_b, t_send, simulate_pipeline, t_w)
+        if profile.cores and ranks > 1:  # one host's cores: a rank idle in the bubble lends its core to the rest
+            alone = [_per_microbatch(s, mesh, profile, dtype, 1) for s in workload.stages]
+            w1 = [compute_time(s.weight, profile, dtype) for s in workload.stages if s.weight is not None]
+            critical = _pipeline(workload.schedule, workload.pp, m, v, max(p[0] for p in alone),
+                                 max(p[1] for p in alone), t_send, simulate_pipeline,
+                                 min(max(w1), max(p[1] for p in alone)) if t_w is not None else None)  # fmt: skip
+            makespan = min(makespan, max(critical, busy))
     else:
         makespan = m * (t_f + t_b)
     stage_comm = max(p[2] for p in per) * m
     compute = max(p[3] for p in per) * m
     exposed_step = max(_step_comm(s, mesh, profile, per[i], m) for i, s in enumerate(workload.stages))
-    optimizer = max(compute_time(s.optimizer, profile, "float32", share, profile.update_host) for s in workload.stages)
-    step = makespan + exposed_step + optimizer
+    optimizer = max(compute_time(s.optimizer, profile, "float32", ranks, profile.update_host) for s in workload.stages)
+    wait = (makespan + exposed_step) * (profile.lockstep_factor(ranks) - 1.0)  # at collectives, for the slowest
+    step = makespan + exposed_step + wait + optimizer
     comm_bytes = max(sum(c.bytes * c.count for c in s.comm) * m + sum(c.bytes * c.count for c in s.step_comm)
                      for s in workload.stages)  # fmt: skip
     peak = profile.flops_per_s(dtype) * mesh.size
     return Prediction(
-        step_time=step, compute=compute, comm=stage_comm + exposed_step, bubble=max(0.0, makespan - busy),
+        step_time=step, compute=compute, comm=stage_comm + exposed_step + wait, bubble=max(0.0, makespan - busy),
         optimizer=optimizer, tokens_per_s=workload.tokens / step if step else 0.0,
         mfu=workload.model_flops / (step * peak) if step else 0.0, memory=max(s.memory for s in workload.stages),
         comm_bytes=comm_bytes, devices=mesh.size, profile=profile.name,
     )  # fmt: skip
 
 
-def _share(ranks: int, profile: DeviceProfile) -> float:
-    return min(1.0, profile.cores / ranks) if profile.cores else 1.0
-
-
-def _per_microbatch(s: StageWork, mesh: Mesh, profile: DeviceProfile, dtype: str, share: float) -> tuple:
+def _per_microbatch(s: StageWork, mesh: Mesh, profile: DeviceProfile, dtype: str, ranks: int) -> tuple:
     """(forward time, backward time, exposed communication, compute) of one microbatch on this stage.
     Collectives that run behind compute ("compute": ring hops behind their blocks, an asynchronous
     gradient collective behind its product) hide together behind their pass: what they take beyond it shows."""
-    f = compute_time(s.forward, profile, dtype, share)
-    b = compute_time(s.backward, profile, dtype, share) + compute_time(s.recompute, profile, dtype, share)
+    f = compute_time(s.forward, profile, dtype, ranks)
+    b = compute_time(s.backward, profile, dtype, ranks) + compute_time(s.recompute, profile, dtype, ranks)
     comm = {"forward": 0.0, "backward": 0.0}
     behind = {"forward": 0.0, "backward": 0.0}
     for c in s.comm:

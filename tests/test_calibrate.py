@@ -8,7 +8,7 @@ own formula (`meshlib.predict.comm_time` with the profile and each kind's alpha;
 `comm_slowdown`), the measured points (each the fastest of its batches) being the independent reference, within the stated
 tolerances (`RATIO`, `BANDWIDTH_RATIO`); the fitted alphas and bandwidths are the least-squares
 optimum of that formula (moving any of them fits worse); the matrix-product curve reproduces the float32
-products. `device_profile("cpu")` is checked to read $MESHLIB_PROFILE_DIR first, then the packaged
+products; the shared cores' speeds and the model's memory efficiency are the measured ones. `device_profile("cpu")` is checked to read $MESHLIB_PROFILE_DIR first, then the packaged
 profile, then to fail naming `meshlib calibrate`; bad `--ranks` values are refused before any rank starts.
 """
 
@@ -95,6 +95,33 @@ def test_profile_is_valid_and_round_trips(calibrated):
     assert link.alpha == link.alpha_for("all_reduce") and 0 < profile.fused_efficiency <= 1
     assert "meshlib calibrate --quick --ranks 2" in profile.source
     assert sidecar["measurements"]["ranks"] == [2]
+
+
+@pytest.mark.ranks
+def test_shared_cores_and_model_memory_efficiency_are_read_off_their_measurements(calibrated):
+    """Each kind of work's speed with 2 ranks at once is the measured one (alone over the slowest rank's, at
+    most 1), and `share` gives it back; so is the lockstep factor; memory_efficiency is what the 192-wide Llama's forward and backward
+    leave after its products, fused attention and host time, over the bytes of its other ops."""
+    profile, sidecar, _ = calibrated
+    busy = sidecar["measurements"]["busy"]
+    for work in ("matmul", "memory", "host"):
+        measured = min(1.0, busy["1"][work][0] / busy["2"][work][0])
+        assert (work, 2, pytest.approx(measured)) in profile.sharing
+        assert profile.share(2, work) == pytest.approx(measured)
+    lock = sidecar["measurements"]["lockstep"]["2"]  # products alternating with all-reduces, against apart
+    assert profile.lockstep == ((2, max(1.0, lock["both"][0] / (lock["busy"][0] + lock["collective"][0]))),)
+    model = sidecar["measurements"]["runtime"]["model"]
+    before = profile.replace(memory_efficiency=sidecar["fits"]["memory_efficiency"]["fresh ops"])
+    peak = before.flops_per_s("float32")
+    products = sum(n * max(f / (peak * before.matmul_fraction(f)), b / (before.memory_bandwidth *
+                   before.memory_efficiency)) for f, b, n in model["matmuls"])  # fmt: skip
+    ops = model["ops"] + sum(n for *_, n in model["matmuls"])
+    rest = model["seconds"][0] - products - model["flops"] / (peak * before.fused_efficiency) - ops * before.host_per_op
+    if rest > 0:
+        assert profile.memory_efficiency == pytest.approx(min(1.0, model["bytes"] / rest / before.memory_bandwidth))
+    else:  # the products alone took the time: the fresh ops' figure stays
+        assert profile.memory_efficiency == before.memory_efficiency
+    assert model["bytes"] > 1e7 and model["flops"] > 0 and len(model["matmuls"]) >= 3
 
 
 @pytest.mark.ranks

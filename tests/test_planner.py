@@ -132,6 +132,9 @@ def test_a_compiled_plan_computes_and_moves_what_the_closed_form_says(mesh, opti
     for a, b in zip(closed.stages, counted.stages, strict=True):
         assert a.forward.matmul_flops == b.forward.matmul_flops
         assert a.backward.matmul_flops == b.backward.matmul_flops
+        # CPU's fused attention kernel: causal FLOPs, 2.5 times in backward, as the closed form's flash kernel
+        assert b.forward.flops == pytest.approx(a.forward.flops) and b.forward.flops > 0
+        assert b.backward.flops == pytest.approx(a.backward.flops)
         tp = lambda stage: sum(c.bytes * c.count for c in stage.comm if c.axes == ("tp",))  # noqa: E731
         if mesh["pp"] == 1:
             assert tp(a) == tp(b)
@@ -267,3 +270,51 @@ def test_fsdp2s_collectives_are_timed_one_per_unit_with_every_parameters_bytes()
     listed = [c for c in plan.collectives if c.op in ("grad sync", "param gather")]
     assert len(listed) == 3 * len(plan.specs) and sum(c.bytes * c.count for c in step) == sum(
         c.bytes * c.count for c in listed)
+
+
+def test_a_pipeline_on_shared_cores_takes_the_longer_of_its_schedule_alone_and_its_work_shared():
+    """Four pipeline ranks on a host of 2 cores: a rank waiting in the bubble lends its core. The step is the
+    longer of the schedule simulated at each rank's speed alone and each rank's work at half speed; without
+    shared cores, the schedule at full speed (its bubble as the simulator says)."""
+    from meshlib.predict import compute_time, predict
+    from meshlib.schedules import schedule
+    from meshlib.simulation import simulate
+    from meshlib.workload import Compute, StageWork, Workload
+
+    cpu = A100.replace(name="cpu-like", cores=2.0, host_overlaps=False, links=(A100.links[0],))
+    f, b = Compute(((2e11, 0.0, 1),)), Compute(((4e11, 0.0, 1),))
+    work = Workload(Mesh(pp=4), tuple(StageWork(forward=f, backward=b) for _ in range(4)), tokens=1, model_flops=1.0,
+                    dtype="float32",
+                    microbatches=8, schedule="1f1b", pp_axis="pp")
+    t_f, t_b = compute_time(f, cpu, "float32"), compute_time(b, cpu, "float32")
+    alone = simulate(schedule("1f1b", 4, 8), t_f=t_f, t_b=t_b, t_comm=0.0).makespan
+    shared = 8 * (t_f + t_b) * 2  # every rank busy at half speed
+    assert compute_time(f, cpu, "float32", 4) == pytest.approx(2 * t_f)
+    assert predict(work, cpu).step_time == pytest.approx(max(alone, shared))
+    assert alone < shared < alone * 2  # the bubble (3 of 11 slots) is less than the slowdown
+    slow = predict(work, cpu.replace(lockstep=((4, 1.25),)))  # in lockstep: the wait counts as exposed comm
+    assert slow.step_time == pytest.approx(1.25 * max(alone, shared)) and slow.comm == pytest.approx(0.25 * shared)
+    gpu = predict(work, cpu.replace(cores=0.0))
+    assert gpu.step_time == pytest.approx(alone) and gpu.bubble == pytest.approx(alone - 8 * (t_f + t_b))
+
+
+def test_ranks_sharing_cores_run_at_the_measured_speed_interpolated_in_log_ranks():
+    """`DeviceProfile.share`: the measured rows where given, their work together (N x speed) interpolated
+    geometrically in log N between them and constant past the last; min(1, cores / N) without rows."""
+    import math
+
+    rows = (("matmul", 2, 0.8), ("matmul", 8, 0.2), ("host", 4, 0.3))
+    p = A100.replace(cores=1.6, sharing=rows)
+    assert p.share(1) == 1.0 and p.share(2) == pytest.approx(0.8) and p.share(8) == pytest.approx(0.2)
+    x = math.log(4 / 2) / math.log(8 / 2)
+    assert p.share(4) == pytest.approx(1.6 ** (1 - x) * 1.6**x / 4)  # 1.6 ranks' work at 2 and at 8
+    assert p.share(16) == pytest.approx(1.6 / 16)
+    assert p.share(4, "host") == pytest.approx(0.3) and p.share(2, "host") == pytest.approx((1 * 1.2) ** 0.5 / 2)
+    assert p.share(4, "memory") == pytest.approx(1.6 / 4)  # no rows: the cores
+    assert A100.share(64) == 1.0  # GPUs share no cores
+    # lockstep: the factor interpolated linearly in log N from 1 at one rank, constant past the last row
+    q = p.replace(lockstep=((2, 1.0), (8, 1.3)))
+    assert q.lockstep_factor(1) == 1.0 and q.lockstep_factor(4) == pytest.approx(1.15)
+    assert q.lockstep_factor(32) == pytest.approx(1.3) and A100.replace(lockstep=((8, 1.3),)).lockstep_factor(8) == 1.0
+    with pytest.raises(ValueError, match="sharing"):
+        A100.replace(sharing=(("matmul", 2, 1.5),))

@@ -13,7 +13,9 @@ measurements keep both, and the spread between them says how quiet it was).
 - `memory_times`: elementwise ops (copy, add, mul) from cache-sized to memory-sized tensors;
 - `attention_times`: torch's fused attention kernel (scaled_dot_product_attention, causal);
 - `host_times`: tiny ops, where the time is Python, the dispatcher and autograd, not arithmetic;
-- `busy_compute`: one fixed job, every rank of the pool at once, to see ranks share the cores.
+- `busy_compute`: one fixed job, every rank of the pool at once, to see ranks share the cores;
+- `lockstep`: every rank alternates a segment of products with a small all-reduce, as a synchronous
+  training step alternates compute and collectives, to see what the synchronization costs beyond both.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "attention_times", "busy_compute", "host_times", "matmul_shapes", "matmul_times", "memory_times", "timed",
+    "attention_times", "busy_compute", "host_times", "lockstep", "matmul_shapes", "matmul_times", "memory_times",
+    "timed",
 ]  # fmt: skip
 
 DTYPES = ("float32", "float64", "bfloat16")
@@ -215,4 +218,32 @@ def busy_compute(alone: bool, *, m: int = 512, k: int = 512, n: int = 2048, reps
                 for _ in range(calls):
                     fn()
                 out[-1] |= {what: time.perf_counter() - start, f"{what}_work": work * calls}
+    return out
+
+
+def lockstep(*, products: int = 10, size: int = 256, rounds: int = 20, repeats: int = 3) -> list[dict]:
+    """Every rank of the pool, `repeats` times, each after a barrier: `rounds` segments of `products` fp32
+    products of `size` x `size` matrices with no collective between them (`busy`); `rounds` all-reduces of
+    1 KiB alone (`collective`); and `rounds` of the two alternating (`both`: a segment, then an all-reduce,
+    as a step computes up to a collective and waits in it). Returns this rank's seconds per round of each,
+    per repeat; the caller takes the slowest rank (`both` waits for it at every all-reduce)."""
+    _pin()
+    a, b, buf = torch.randn(size, size), torch.randn(size, size), torch.ones(256)
+
+    def segment():
+        for _ in range(products):
+            torch.mm(a, b)
+
+    jobs = {"busy": segment, "collective": lambda: dist.all_reduce(buf),
+            "both": lambda: (segment(), dist.all_reduce(buf))}  # fmt: skip
+    segment(), dist.all_reduce(buf)
+    out = []
+    for _ in range(repeats):
+        out.append({})
+        for what, fn in jobs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(rounds):
+                fn()
+            out[-1][what] = (time.perf_counter() - start) / rounds
     return out

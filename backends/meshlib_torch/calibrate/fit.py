@@ -10,15 +10,20 @@ batch of each measurement (`compute.timed`: the one other processes disturbed le
   dtype's `flops` its `rate / matmul_efficiency`, so that a large product of every dtype runs at its own rate;
 - **fused attention**: `fused_efficiency` is what torch's causal attention kernel reaches (FLOPs as the
   closed form counts them), the median over sequence lengths, over float32's `flops`;
-- **memory**: `memory_bandwidth` is the best streaming rate (copy or add into kept tensors) and
-  `memory_efficiency` what elementwise ops reach as a model runs them (fresh tensors; the median of add,
-  mul and scale) over it, both on 16 MiB tensors (`fit_memory`); `memory` is the host's RAM, which its ranks
-  share;
+- **memory**: `memory_bandwidth` is the best streaming rate (copy or add into kept tensors) on 16 MiB
+  tensors (`fit_memory`), and `memory_efficiency` what the ops that are not matrix products reach as a
+  model runs them, over it (`fit_model_memory`: a 192-wide Llama's forward and backward on one rank, less
+  its products and attention at the fitted rates and its host time, over the bytes its dry run counts for
+  the rest); without that measurement, fresh add, mul and scale on 16 MiB tensors (their median). `memory`
+  is the host's RAM, which its ranks share;
 - **host**: `host_per_op` and `host_per_update_op` are a compiled model's forward-and-backward and update
   time per counted op where the arithmetic is nil (`runtime.runtime_times`: 8-wide tensors); measurements
   without it fall back to the mean of a tiny op's forward under autograd and its share of backward;
-- **cores**: the whole number nearest the most work N ranks computing at once did together, in units of one
-  rank alone (N x each one's speed; `fit_cores`);
+- **cores**: `sharing` holds, per kind of work (products, fresh adds, tiny ops' host time) and N ranks
+  computing at once, each one's speed against one rank alone (`fit_cores`); `cores` is the median over
+  N > 1 of the products' work together (N x speed), in units of one rank alone, not rounded (two SMT
+  threads of one core do less than two ranks' work); `lockstep` per N, the rounds of a segment of products
+  then a 1 KiB all-reduce over the segments alone plus the all-reduces alone (`fit_lockstep`);
 - **the link**: `steps * alpha_for(kind) + bus / (bandwidth * efficiency[kind])`, `meshlib.predict.comm_time`'s
   formula, with per kind its own latency per step (`Link.alphas`; `alpha` is all-reduce's) and bandwidth,
   fitted by least squares on relative error, each time multiplied by `max(1, N / cores) **
@@ -34,9 +39,11 @@ import statistics
 import numpy as np
 
 from meshlib.devices import DeviceProfile, Link
+from meshlib.predict import compute_time
+from meshlib.workload import Compute
 
-__all__ = ["comm_terms", "fit_attention", "fit_cores", "fit_link", "fit_matmul", "fit_memory", "fit_profile",
-           "saturating"]  # fmt: skip
+__all__ = ["comm_terms", "fit_attention", "fit_cores", "fit_link", "fit_lockstep", "fit_matmul", "fit_memory",
+           "fit_model_memory", "fit_profile", "saturating"]  # fmt: skip
 
 _GAMMAS = tuple(round(0.05 * i, 2) for i in range(41))
 
@@ -68,14 +75,17 @@ def fit_matmul(rows, host: float) -> dict[str, dict]:
     return out
 
 
-def fit_cores(busy: dict, cores_max: int) -> tuple[int, dict[int, float]]:
-    """(cores, {N: one rank's speed alone over the slowest rank's with N at once}) for the products: cores is
-    the whole number nearest the most that N ranks did together (N x speed, at least 1, at most `cores_max`).
-    The most, not a fit to every N: another process on the machine only ever takes cores away."""
-    alone = busy["1"]["matmul"][0]
-    speed = {int(n): alone / b["matmul"][0] for n, b in busy.items()}
-    together = max(n * s for n, s in speed.items())
-    return max(1, min(max(cores_max, 1), round(together))), speed
+def fit_cores(busy: dict, cores_max: int) -> tuple[float, dict[str, dict[int, float]]]:
+    """(cores, per kind of work ("matmul", "memory", "host") {N: one rank's speed alone over the slowest rank's
+    with N at once}, at most 1). cores: the median over N > 1 of what N ranks did together in products (N x
+    speed; at least 1, at most `cores_max`; `cores_max` where only one rank was measured)."""
+    speeds = {}
+    for what in ("matmul", "memory", "host"):
+        alone = busy["1"][what][0]
+        speeds[what] = {int(n): min(1.0, alone / b[what][0]) for n, b in busy.items()}
+    together = [n * s for n, s in speeds["matmul"].items() if n > 1]
+    best = statistics.median(together) if together else cores_max
+    return round(max(1.0, min(max(cores_max, 1), best)), 2), speeds
 
 
 def comm_terms(kind: str, n: int, nbytes: float) -> tuple[float, float]:
@@ -87,7 +97,7 @@ def comm_terms(kind: str, n: int, nbytes: float) -> tuple[float, float]:
     return n - 1, (n - 1) / n * nbytes
 
 
-def fit_link(points, cores: int) -> dict:
+def fit_link(points, cores: float) -> dict:
     """Per kind `alpha` and `bandwidth`, and `gamma` (the oversubscription exponent), fitted to
     `(kind, n, bytes, seconds)` points (see the module docstring); each point with its fitted time."""
     kinds = tuple(dict.fromkeys(p[0] for p in points))
@@ -96,7 +106,7 @@ def fit_link(points, cores: int) -> dict:
     return min(fits, key=lambda fit: fit["error"])
 
 
-def _link_at(points, kinds, cores: int, gamma: float) -> dict:
+def _link_at(points, kinds, cores: float, gamma: float) -> dict:
     """The least-squares fit at one oversubscription exponent: per kind, alpha >= 0 and bandwidth."""
     alpha, bandwidth, fitted = {}, {}, {}
     for kind in kinds:
@@ -125,6 +135,23 @@ def fit_memory(rows, numel: int = 1 << 22) -> tuple[float, float]:
     return peak, min(1.0, statistics.median(rate[op] for op in ("add", "mul", "scale")) / peak)
 
 
+def fit_model_memory(model: dict, profile: DeviceProfile) -> float | None:
+    """memory_efficiency from a model's forward and backward (`runtime.runtime_times`'s `model`): its fastest
+    time less its products, fused attention and host time on `profile`, is the time of the bytes the dry
+    run counts for its other ops. None where nothing is left (the products alone take the time)."""
+    rest = model["seconds"][0] - compute_time(
+        Compute(tuple(map(tuple, model["matmuls"])), model["flops"], 0.0, model["ops"]), profile, "float32")
+    if rest <= 0 or model["bytes"] <= 0:
+        return None
+    return min(1.0, model["bytes"] / rest / profile.memory_bandwidth)
+
+
+def fit_lockstep(lockstep: dict) -> tuple[tuple[int, float], ...]:
+    """`(N, factor)` rows from `compute.lockstep`'s `{N: {what: (fastest, median)}}`: the fastest round of
+    products alternating with all-reduces over the fastest of each alone (at least 1)."""
+    return tuple((int(n), max(1.0, t["both"][0] / (t["busy"][0] + t["collective"][0]))) for n, t in lockstep.items())
+
+
 def fit_attention(rows, peak: float) -> float:
     """fused_efficiency: the median over `(sequence, FLOPs, fastest, median)` rows of FLOPs / fastest, over
     `peak` (float32's `flops`)."""
@@ -146,16 +173,21 @@ def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
     bandwidth, mem_eff = fit_memory(m["memory"])
     extra = {f"matmul_{what}.{d}": f[what] for what in ("rate", "half", "best") for d, f in mm.items()}
     extra |= {f"host.{k}": v for k, v in host.items()}
-    extra |= {f"speed_per_rank.{n}": s for n, s in speed.items()}
     extra |= {"other_cpu": m["machine"].get("other_cpu", -1.0)}
     profile = DeviceProfile(
         name=name, flops=tuple(flops.items()), matmul_efficiency=efficiency, matmul_half=mm["float32"]["half"],
         memory=_memory_bytes(), memory_bandwidth=bandwidth, memory_efficiency=mem_eff,
         fused_efficiency=fit_attention(m["attention"], flops["float32"]), devices_per_node=max(m["ranks"]),
         links=(link,), **_host(m, host), host_overlaps=False, cores=cores,
+        sharing=tuple((w, n, v) for w, by_n in speed.items() for n, v in by_n.items() if n > 1),
+        lockstep=fit_lockstep(m.get("lockstep", {})),
         comm_oversubscription=comm["gamma"], source=_source(m), extra=tuple(extra.items()),
     )  # fmt: skip
-    return profile, {"matmul": mm, "cores": cores, "speed": speed, "link": comm}
+    model = fit_model_memory(m["runtime"]["model"], profile) if "model" in m.get("runtime", {}) else None
+    if model is not None:
+        profile = profile.replace(memory_efficiency=model)
+    return profile, {"matmul": mm, "cores": cores, "speed": speed, "link": comm,
+                     "memory_efficiency": {"fresh ops": mem_eff, "model": model}}  # fmt: skip
 
 
 def _host(m: dict, host: dict) -> dict:

@@ -3,7 +3,8 @@
 The order, written once (`measure`): on the smallest pool, rank 0 alone (the others idle) measures the
 matrix products, the elementwise ops, fused attention, the host's time per op and the reference job of
 `busy_compute`; a pool of one rank, the host's time per op of a compiled model (`runtime`); then, for each
-world size asked for, every rank runs the reference job at once, and the collectives.
+world size asked for, every rank runs the reference job at once, the collectives, and products alternating
+with all-reduces (`compute.lockstep`).
 The pools are `meshlib_torch.testing.pool`'s: workers forked from a forkserver that has imported torch,
 one torch thread each, one gloo group per pool.
 """
@@ -51,7 +52,7 @@ def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> di
     out["runtime"] = get_pool(1).run(runtime.runtime_times, target=target, batches=batches, timeout=_TIMEOUT)[0]
     reps = 4 if quick else 10
     out["busy"] = {"1": _busy(first, True, reps)}
-    out["collectives"] = []
+    out["collectives"], out["lockstep"] = [], {}
     sizes = collectives.message_sizes(quick)
     for n in sorted(ranks):
         pool = get_pool(n)
@@ -59,6 +60,7 @@ def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> di
         out["busy"][str(n)] = _busy(pool, False, reps)
         rows = pool.run(collectives.collective_times, sizes, target=target, batches=5, timeout=_TIMEOUT)
         out["collectives"] += _slowest(rows, n)
+        out["lockstep"][str(n)] = _lockstep(pool.run(compute.lockstep, timeout=_TIMEOUT))
     out["seconds"] = time.perf_counter() - started
     out["machine"]["other_cpu"] = _others_share(before)
     return out
@@ -78,6 +80,12 @@ def _busy(pool, alone: bool, reps: int) -> dict:
         times = [r[key] for r in rounds]
         out[key] = times[0] if key.endswith("_work") else (min(times), statistics.median(times))
     return out
+
+
+def _lockstep(per_rank: list) -> dict:
+    """`{what: (fastest, median) seconds per round}` of `compute.lockstep`: per repeat the slowest rank."""
+    repeats = [{k: max(rank[i][k] for rank in per_rank) for k in per_rank[0][i]} for i in range(len(per_rank[0]))]
+    return {k: (min(r[k] for r in repeats), statistics.median(r[k] for r in repeats)) for k in repeats[0]}
 
 
 def _slowest(rows_per_rank: list, n: int) -> list:

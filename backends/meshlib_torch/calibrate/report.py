@@ -42,7 +42,7 @@ def _profile(cal) -> Table:
         ("host_per_op", f"{p.host_per_op * 1e6:.2f} us", "a compiled model's forward and backward, per op"),
         ("host_per_update_op", f"{p.update_host * 1e6:.2f} us", "its update (AdamW on DTensors), per op"),
         ("host_overlaps", str(p.host_overlaps), "CPU ranks compute on the host"),
-        ("cores", str(p.cores), "the most work N ranks did at once, in ranks alone"),
+        ("cores", f"{p.cores:g}", "products: the work N ranks did at once, in ranks alone (median over N)"),
         ("comm_oversubscription", f"{p.comm_oversubscription:.2f}", "collectives x (N/cores)^this for N > cores"),
         (f"link {link.name}: alpha", f"{link.alpha * 1e6:.1f} us", "per algorithm step (all-reduce's)"),
         (f"link {link.name}: bandwidth", f"{link.bandwidth / 1e9:.3f} GB/s", "the fastest kind's bus bandwidth"),
@@ -100,19 +100,25 @@ def _memory_host(cal) -> Table:
 
 
 def _cores(cal) -> Table:
-    busy, cores = cal.measurements["busy"], cal.profile.cores
+    busy, p = cal.measurements["busy"], cal.profile
     alone = busy["1"]
     rows = []
     for n, b in sorted(busy.items(), key=lambda kv: int(kv[0])):
         k = int(n)
         speed = {what: alone[what][0] / b[what][0] for what in ("matmul", "memory", "host")}
-        rows.append((k, f"{min(1.0, cores / k):.3f}", *(f"{v:.3f}" for v in speed.values()),
-                     f"{k * speed['matmul']:.2f}"))  # fmt: skip
+        lock = cal.measurements.get("lockstep", {}).get(n)
+        lock = (f"{1e3 * lock['busy'][0]:.1f} + {1e3 * lock['collective'][0]:.2f} -> {1e3 * lock['both'][0]:.1f} "
+                f"(x{p.lockstep_factor(k):.2f})") if lock else "-"  # fmt: skip
+        rows.append((k, *(f"{v:.3f} ({p.share(k, what):.3f})" for what, v in speed.items()),
+                     f"{k * speed['matmul']:.2f}", lock))  # fmt: skip
     return Table(
-        "N ranks computing at once: each one's speed against one rank alone (the slowest rank)",
-        ("N", f"model: min(1, {cores}/N)", "products", "fresh a + b", "tiny ops (host)", "products: N x speed"),
+        "N ranks computing at once: each one's speed against one rank alone (the slowest rank; the profile's "
+        f"`share` in brackets: the rows measured, min(1, {p.cores:g}/N) without them)",
+        ("N", "products", "fresh a + b", "tiny ops (host)", "products: N x speed",
+         "lockstep ms: segment + all-reduce -> alternating"),  # fmt: skip
         rows,
-        "products: fp32 x @ W.T of 512x512 by 2048x512; fresh a + b of 64 MiB; tiny x * y under autograd",
+        "products: fp32 x @ W.T of 512x512 by 2048x512; fresh a + b of 64 MiB; tiny x * y under autograd; "
+        "lockstep: 10 products of 256x256 then a 1 KiB all-reduce, per round (`lockstep` factor in brackets)",
     )
 
 

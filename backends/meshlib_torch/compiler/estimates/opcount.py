@@ -4,8 +4,12 @@
 runs in (forward; backward; recompute, while a checkpointed layer replays its forward; weight, a zero-bubble
 schedule's weight pass). An op with a FLOP formula in torch's registry (`torch.utils.flop_counter`: matrix
 products, attention kernels, convolutions) is a matrix product of that many FLOPs, reading and writing its
-inputs and outputs; every other op moves its inputs' and outputs' bytes (a view moves none). The counts are
-`meshlib.Compute` values, one per pass, of one microbatch on one rank.
+inputs and outputs. CPU's fused attention kernel (`dryrun.cpu_attention`; torch's registry has no formula
+for it) is fused FLOPs, as `meshlib.transformer_work` counts a fused kernel: 2·(batch·heads)·s_q·s_k·(d + d_v),
+halved with the causal mask (the kernel skips the masked blocks), 2.5 times that in backward (which
+recomputes the scores); the time model prices these at the profile's `fused_efficiency`. Every other op
+moves its inputs' and outputs' bytes (a view moves none). The counts are `meshlib.Compute` values, one per
+pass, of one microbatch on one rank.
 """
 
 from __future__ import annotations
@@ -26,6 +30,19 @@ __all__ = ["OpCounter"]
 # ops that allocate or describe without moving data
 _FREE = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias", "lift_fresh",
          "_to_copy_meta", "sym_size", "sym_stride", "sym_numel", "is_same_size", "_local_scalar_dense"}  # fmt: skip
+
+
+def _fused_attention(args, backward: bool) -> float:
+    """FLOPs of one call of CPU's flash attention kernel (forward or backward), as the closed form counts them."""
+    q, k, v = args[1:4] if backward else args[:3]
+    causal = args[7] if backward else (args[4] if len(args) > 4 else False)
+    flops = 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
+    flops *= 0.5 if causal else 1.0
+    return 2.5 * flops if backward else flops
+
+
+_FUSED = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: False,
+          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: True}  # fmt: skip
 
 
 def _nbytes(values) -> int:
@@ -67,6 +84,8 @@ class OpCounter(TorchDispatchMode):
         else:
             other = self._other[where]
             other[2] += n
+            if packet in _FUSED:
+                other[0] += n * _fused_attention(args, _FUSED[packet])
             if name not in _FREE and not func.is_view:
                 other[1] += n * (_nbytes((args, kwargs)) + _nbytes(out))
         return out
@@ -76,7 +95,7 @@ class OpCounter(TorchDispatchMode):
         return {
             p: Compute(
                 tuple((f, b, n) for (f, b), n in self._matmuls.get(p, {}).items()),
-                0.0, self._other.get(p, [0, 0.0, 0])[1], self._other.get(p, [0, 0.0, 0])[2],
+                *self._other.get(p, [0.0, 0.0, 0]),
             )
             for p in passes
         }  # fmt: skip
