@@ -41,7 +41,7 @@ __all__ = ["Candidate", "MESHLIB_RUNTIME", "SIMPLER", "search"]
 # how meshlib's torch runtime runs a step, where that changes its time (`transformer.StepConfig`'s flags):
 # fused attention (SDPA), gradient reductions and ZeRO's gathers overlapping compute (hooks, FSDP2),
 # tensor-parallel collectives waiting for their matrix products
-MESHLIB_RUNTIME = {"flash": True, "dp_overlap": True, "tp_overlap": "none"}
+MESHLIB_RUNTIME = {"flash": True, "dp_overlap": True, "tp_overlap": "none", "fused_elementwise": False}
 GIB = 1 << 30
 _RECOMPUTE = ("none", "selective", "block")
 

@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from . import transformer_comm as _comm
 from . import transformer_work as _work
@@ -38,7 +38,7 @@ from .workload import Compute, StageWork, Workload
 
 __all__ = [
     "CP_METHODS", "RECOMPUTE_MODES", "TP_OVERLAPS", "ModelShape", "StepConfig", "compute_bound", "scheduled_peaks",
-    "workload",
+    "waiting_peaks", "workload",
 ]  # fmt: skip
 
 RECOMPUTE_MODES = ("none", "selective", "block")
@@ -208,6 +208,9 @@ class StepConfig:
     - `reduce_dtype`: the dtype gradients accumulate and reduce in (Megatron's fp32 main grads);
     - `fused_accumulation`: the weight-gradient product adds into that buffer itself (Megatron's gradient
       accumulation fusion, from February 2022); False: a separate add per weight and microbatch;
+    - `fused_elementwise`: RMSNorm and SwiGLU are fused kernels that keep only their inputs for backward
+      (Megatron, TransformerEngine); False: they run as separate ops (meshlib's bundled Llama, torch eager),
+      and each RMSNorm keeps its normalized input and SwiGLU its gate's activation as well;
     - `async_p2p`: pipeline sends run behind compute (Llama 3, torch.distributed.pipelining); False: every
       exchange between stages is waited for by both ranks (Megatron-LM 2021-22 synchronizes after each),
       and without sequence parallelism the receiver all-gathers the message over tp (Megatron's
@@ -232,6 +235,7 @@ class StepConfig:
     tp_overlap: str = "none"
     reduce_dtype: str = "float32"
     fused_accumulation: bool = True
+    fused_elementwise: bool = True
     async_p2p: bool = True
 
     def __post_init__(self):
@@ -265,7 +269,7 @@ def workload(shape: ModelShape, config: StepConfig, *, batch: int, seq: int) -> 
     m = _check(shape, config, batch, seq)
     v = config.chunks if config.pp > 1 else 1
     split = _work.layer_split(shape, config.pp, v)
-    peaks = _peaks(config.schedule, config.pp, m, v) if config.pp > 1 else (1,)
+    peaks = _split_peaks(shape, config, seq, m, v, split) if config.pp > 1 else ((1, 0),)
     stages = tuple(_stage(shape, config, seq, m, r, split[r], peaks[r]) for r in range(config.pp))
     name = resolve_schedule(config.schedule, config.chunks)[0] if config.pp > 1 else ""
     return Workload(mesh=config.mesh, stages=stages, tokens=batch * seq,
@@ -329,6 +333,42 @@ def _peaks(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return scheduled_peaks(name, p, m, v)
 
 
+def _split_peaks(shape: ModelShape, c: StepConfig, seq: int, m: int, v: int, split: tuple) -> tuple:
+    """Per pipeline rank, (chunk-microbatches holding their activations, of them those waiting for their
+    weight gradient) at its peak: `_peaks` and none waiting where backward is not split, else counted on the
+    schedule (`waiting_peaks`), a waiting chunk weighing its activations and its residue."""
+    name = resolve_schedule(c.schedule, v if v > 1 else None)[0]
+    if not _splits_backward(name):
+        return tuple((k, 0) for k in _peaks(c.schedule, c.pp, m, v))
+    dense, moe = max(split[0], key=lambda dm: dm[0] + dm[1])
+    act = _work.chunk_activation(shape, c, c.microbatch, seq, dense, moe)
+    res = _work.chunk_weight_residue(shape, c, c.microbatch, seq, dense, moe)
+    return waiting_peaks(name, c.pp, m, v, round(res / act, 2) if act else 0.0)
+
+
+@functools.lru_cache(maxsize=256)
+def _splits_backward(name: str) -> bool:
+    return any(a.kind == "W" for row in build_schedule(name, 2, 4, 2 if name == "zbv" else None).actions for a in row)
+
+
+@functools.lru_cache(maxsize=4096)
+def waiting_peaks(name: str, p: int, m: int, v: int, weight: float) -> tuple[tuple[int, int], ...]:
+    """Per rank of a schedule that splits backward, (chunks holding activations: from F to W, as torch's
+    pipelining retains the graph through I; of them waiting: from I to W) at the moment `holding + weight *
+    waiting` peaks on the rank's own order."""
+    out = []
+    for row in build_schedule(name, p, m, v if v > 1 else None).actions:
+        live = waiting = 0
+        best = (0, 0)
+        for a in row:
+            live += (a.kind == "F") - (a.kind in "BW")
+            waiting += (a.kind == "I") - (a.kind == "W")
+            if live + weight * waiting > best[0] + weight * best[1]:
+                best = (live, waiting)
+        out.append(best)
+    return tuple(out)
+
+
 def scheduled_peaks(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
     """`_peaks` counted on the schedule's own per-rank orders."""
     out = []
@@ -341,31 +381,36 @@ def scheduled_peaks(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _stage(shape: ModelShape, c: StepConfig, seq: int, m: int, rank: int, chunks: tuple, peak: int) -> StageWork:
-    """The ranks at pipeline coordinate `rank` (`_stage_of`: alike middle stages computed once)."""
-    return _stage_of(shape, c, seq, m, rank == 0, rank == c.pp - 1, chunks, peak)
+def _stage(shape: ModelShape, c: StepConfig, seq: int, m: int, rank: int, chunks: tuple, peak: tuple) -> StageWork:
+    """The ranks at pipeline coordinate `rank` holding `peak` (chunk-microbatches holding activations, of them
+    waiting for W) at their peak (`_stage_of`: alike stages computed once, whatever they hold)."""
+    work, state, act, residue, head = _stage_of(shape, c, seq, m, rank == 0, rank == c.pp - 1, chunks)
+    full, waiting = peak
+    return replace(work, memory=int(state + act * full + residue * waiting + head))
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_of(shape: ModelShape, c: StepConfig, seq: int, m: int, first: bool, last: bool, chunks: tuple,
-              peak: int) -> StageWork:  # fmt: skip
+def _stage_of(shape: ModelShape, c: StepConfig, seq: int, m: int, first: bool, last: bool,
+              chunks: tuple) -> tuple[StageWork, float, float, float, float]:  # fmt: skip
     """The ranks holding `chunks` (`(dense, moe)` layers each): the embedding on the first, the head and loss on
-    the last."""
+    the last. Their work (memory 0), and the bytes of their model state, of one chunk-microbatch's
+    activations, of its residue while it waits for W, and of the head's logits."""
     b = c.microbatch
     n = b * seq // c.cp
     dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
     passes = _passes(shape, c, b, seq, dense, moe, first, last)
     params = _work.stage_params(shape, c, dense, moe, embed=first, head=last)
-    kept = max(_work.chunk_activation(shape, c, b, seq, d, x) for d, x in chunks) * peak
-    kept += _work.head_activation(shape, c, n) if last else 0.0
+    act = max(_work.chunk_activation(shape, c, b, seq, d, x) for d, x in chunks)
+    residue = max(_work.chunk_weight_residue(shape, c, b, seq, d, x) for d, x in chunks)
     tied = shape.tied and c.pp > 1 and (first or last)
-    return StageWork(
+    work = StageWork(
         forward=passes.forward, backward=passes.backward, recompute=passes.recompute, weight=passes.weight,
         comm=_comm.stage_comm(shape, c, b, seq, dense, moe, embed=first, head=last),
         send=_comm.send_bytes(shape, c, n) if c.pp > 1 and c.async_p2p else 0.0,
         step_comm=_comm.step_comm(params, c, m, tied=tied, embed_bytes=shape.vocab * shape.hidden / c.tp),
-        optimizer=_optimizer(params, c), memory=int(_comm.model_state(params, c) + kept),
+        optimizer=_optimizer(params, c), memory=0,
     )  # fmt: skip
+    return work, _comm.model_state(params, c), act, residue, _work.head_activation(shape, c, n) if last else 0.0
 
 
 _PASSES: dict = {}

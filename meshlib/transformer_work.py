@@ -24,6 +24,11 @@ Per layer and microbatch, with n = b·s/cp tokens on the rank, t = tp, e bytes p
   with dropout is sbh(34 + 5as/h) on one device, sbh(10 + 24/t + 5as/(ht)) under tensor parallelism,
   sbh(34/t + 5as/(ht)) with sequence parallelism, without the scores' 5as/(ht) under selective recompute,
   and 2sbh (2sbh/t with sequence parallelism) under block recompute.
+- **Waiting for the weight gradient** (`chunk_weight_residue`): in a zero-bubble schedule a chunk's input
+  gradient (I) runs before its weight gradient (W). torch's pipelining runs I with the graph retained
+  (`stage_backward_input`) and captures the gradients reaching the weights' ops, so until W the chunk
+  keeps its activations and, per layer, the gradient of every weight's output (the products' and the
+  norms').
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ from dataclasses import dataclass
 from .workload import Compute
 
 __all__ = [
-    "COMPUTE_FIELDS", "Passes", "chunk_activation", "head_activation", "layer_split", "stage_params", "stage_passes",
-    "widths",
+    "COMPUTE_FIELDS", "Passes", "chunk_activation", "chunk_weight_residue", "head_activation", "layer_split",
+    "stage_params", "stage_passes", "widths",
 ]  # fmt: skip
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
@@ -271,7 +276,26 @@ def _kept(shape, c, b: int, seq: int, moe: bool) -> float:
     mlp = e * n * width / t * ((2 if shape.gated else 1) + 1)  # activation input(s) and the second matrix's input
     if moe:
         mlp += e * n * shape.top_k * h  # tokens in expert order
+    if not c.fused_elementwise:  # unfused RMSNorm: its normalized input; unfused SwiGLU: the gate's activation
+        norms_and_inputs += 2 * e * rows * h if shape.norm == "rmsnorm" else 0.0
+        mlp += e * n * width / t if shape.gated else 0.0
     return norms_and_inputs + attention + mlp
+
+
+def chunk_weight_residue(shape, c, b: int, seq: int, dense: int, moe: int) -> float:
+    """Bytes one microbatch's chunk of `dense` and `moe` layers holds besides its activations between its
+    input-gradient and weight-gradient passes (see the module)."""
+    return dense * _residue(shape, c, b, seq, False) + moe * _residue(shape, c, b, seq, True)
+
+
+def _residue(shape, c, b: int, seq: int, moe: bool) -> float:
+    e, t, h = ITEMSIZE[c.dtype], c.tp, shape.hidden
+    n = b * seq // c.cp
+    rows = n / t if c.sp else n
+    q, k, v, _ = widths(shape, t)
+    width = (shape.moe_ffn * shape.top_k + shape.moe_ffn * shape.shared_experts) if moe else shape.ffn
+    up = (2 if shape.gated else 1) * width / t
+    return e * (2 * rows * h + n * (q + k + v) + n * h + n * up + n * h)  # norms', QKV, out, up (and gate), down
 
 
 def head_activation(shape, c, n: int) -> float:
