@@ -119,8 +119,12 @@ def _local(x: torch.Tensor, p, rank: int, n: int, noise: torch.Tensor | None) ->
 
 
 def _join(parts: list[torch.Tensor], p) -> torch.Tensor:
-    if isinstance(p, Shard) and len({t.shape for t in parts}) > 1:
-        return torch.cat(parts, p.dim)  # uneven pieces: plain shards, in rank order
+    if isinstance(p, Shard) and len({t.shape for t in parts}) > 1:  # uneven pieces, in rank order
+        if p.groups == 1:
+            return torch.cat(parts, p.dim)
+        # a grouped shard: each rank holds its piece of every group, group after group
+        blocks = [t.chunk(p.groups, p.dim) for t in parts]
+        return torch.cat([b[g] for g in range(p.groups) for b in blocks], p.dim)
     if isinstance(p, Shard):
         return unblocks(torch.stack(parts), p)
     if isinstance(p, Partial):
