@@ -35,6 +35,15 @@ __all__ = [
 COLLECTIVE_ALGORITHMS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 
 
+
+def _in_log_n(rows: list[tuple[int, float]], n: int, mix) -> float:
+    """The value at `n` of measured `(N, value)` rows sorted by N: `mix(v0, v1, x)` between the two rows around
+    it, with x its position between them in log N; past the last row, the last row's value."""
+    for (n0, v0), (n1, v1) in zip(rows, rows[1:]):
+        if n <= n1:
+            return mix(v0, v1, math.log(n / n0) / math.log(n1 / n0))
+    return rows[-1][1]
+
 @dataclass(frozen=True, slots=True)
 class Link:
     """One level of the network, as each device sees it.
@@ -179,15 +188,10 @@ class DeviceProfile:
         work they do together (N x speed) is interpolated in log N; past the largest, it stays as there."""
         if not self.cores or ranks <= 1:
             return 1.0
-        rows = [(1, 1.0)] + [(n, v) for w, n, v in self.sharing if w == work and n > 1]
+        rows = [(1, 1.0)] + [(n, n * v) for w, n, v in self.sharing if w == work and n > 1]
         if len(rows) == 1:
             return min(1.0, self.cores / ranks)
-        for (n0, v0), (n1, v1) in zip(rows, rows[1:]):
-            if ranks <= n1:
-                x = math.log(ranks / n0) / math.log(n1 / n0)
-                return min(1.0, (n0 * v0) ** (1 - x) * (n1 * v1) ** x / ranks)
-        n, v = rows[-1]
-        return min(1.0, n * v / ranks)
+        return min(1.0, _in_log_n(rows, ranks, lambda a, b, x: a ** (1 - x) * b ** x) / ranks)
 
     def lockstep_factor(self, ranks: int) -> float:
         """How many times longer `ranks` ranks sharing this host's cores take to compute and communicate in
@@ -195,11 +199,7 @@ class DeviceProfile:
         rows = [(1, 1.0)] + [(n, v) for n, v in self.lockstep if n > 1]
         if not self.cores or ranks <= 1 or len(rows) == 1:
             return 1.0
-        for (n0, v0), (n1, v1) in zip(rows, rows[1:]):
-            if ranks <= n1:
-                x = math.log(ranks / n0) / math.log(n1 / n0)
-                return v0 + (v1 - v0) * x
-        return rows[-1][1]
+        return _in_log_n(rows, ranks, lambda a, b, x: a + (b - a) * x)
 
     def comm_slowdown(self, ranks: int) -> float:
         """How many times longer than its link's alpha-beta time a collective takes while `ranks` ranks share

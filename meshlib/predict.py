@@ -134,12 +134,22 @@ def compute_time(
 ) -> float:
     """Seconds `c` takes on one device of `ranks` sharing a host (each kind of work at its `profile.share`);
     `host`: the host's seconds per op (the profile's `host_per_op` by default)."""
+    return _time(c, profile, _rates(profile, dtype, ranks, host))
+
+
+def _rates(profile: DeviceProfile, dtype: str, ranks: int, host: float | None = None) -> tuple[float, float, float]:
+    """(FLOP/s, bytes/s, host seconds per op) of one device of `ranks` sharing a host: read once per step."""
     peak = profile.flops_per_s(dtype) * profile.share(ranks, "matmul")
     bw = profile.memory_bandwidth * profile.memory_efficiency * profile.share(ranks, "memory")
+    per_op = profile.host_per_op if host is None else host
+    return peak, bw, per_op / profile.share(ranks, "host")  # ranks sharing a host's cores share its host time too
+
+
+def _time(c: Compute, profile: DeviceProfile, rates: tuple[float, float, float]) -> float:
+    peak, bw, per_op = rates
     device = sum(n * max(f / (peak * profile.matmul_fraction(f)), b / bw) for f, b, n in c.matmuls if f > 0)
     device += c.bytes / bw + c.flops / (peak * profile.fused_efficiency)
-    per_op = profile.host_per_op if host is None else host
-    host = c.op_count * per_op / profile.share(ranks, "host")  # ranks sharing a host's cores share its host time too
+    host = c.op_count * per_op
     return max(device, host) if profile.host_overlaps else device + host
 
 
@@ -151,18 +161,20 @@ def predict(workload: Workload, profile: DeviceProfile, *, simulate_pipeline: bo
     mesh, dtype = workload.mesh, workload.dtype
     ranks = mesh.size  # on a host that shares its cores among them (`DeviceProfile.share`)
     m, v = workload.microbatches, workload.chunks
-    per = [_per_microbatch(s, mesh, profile, dtype, ranks) for s in workload.stages]  # (t_f, t_b, comm, compute)
+    rates = _rates(profile, dtype, ranks)
+    per = [_per_microbatch(s, mesh, profile, rates) for s in workload.stages]  # (t_f, t_b, comm, compute)
     t_f, t_b = max(p[0] for p in per), max(p[1] for p in per)
     busy = max((p[0] + p[1]) * m for p in per)
     if workload.schedule and workload.pp > 1:
         send = max(s.send for s in workload.stages)
         t_send = comm_time(Comm("send_recv", (workload.pp_axis,), send), mesh, profile) if send else 0.0
-        weights = [compute_time(s.weight, profile, dtype, ranks) for s in workload.stages if s.weight is not None]
+        weights = [_time(s.weight, profile, rates) for s in workload.stages if s.weight is not None]
         t_w = min(max(weights), t_b) if len(weights) == len(workload.stages) else None
         makespan = _pipeline(workload.schedule, workload.pp, m, v, t_f, t_b, t_send, simulate_pipeline, t_w)
         if profile.cores and ranks > 1:  # one host's cores: a rank idle in the bubble lends its core to the rest
-            alone = [_per_microbatch(s, mesh, profile, dtype, 1) for s in workload.stages]
-            w1 = [compute_time(s.weight, profile, dtype) for s in workload.stages if s.weight is not None]
+            rates1 = _rates(profile, dtype, 1)
+            alone = [_per_microbatch(s, mesh, profile, rates1) for s in workload.stages]
+            w1 = [_time(s.weight, profile, rates1) for s in workload.stages if s.weight is not None]
             critical = _pipeline(workload.schedule, workload.pp, m, v, max(p[0] for p in alone),
                                  max(p[1] for p in alone), t_send, simulate_pipeline,
                                  min(max(w1), max(p[1] for p in alone)) if t_w is not None else None)  # fmt: skip
@@ -186,12 +198,12 @@ def predict(workload: Workload, profile: DeviceProfile, *, simulate_pipeline: bo
     )  # fmt: skip
 
 
-def _per_microbatch(s: StageWork, mesh: Mesh, profile: DeviceProfile, dtype: str, ranks: int) -> tuple:
+def _per_microbatch(s: StageWork, mesh: Mesh, profile: DeviceProfile, rates: tuple) -> tuple:
     """(forward time, backward time, exposed communication, compute) of one microbatch on this stage.
     Collectives that run behind compute ("compute": ring hops behind their blocks, an asynchronous
     gradient collective behind its product) hide together behind their pass: what they take beyond it shows."""
-    f = compute_time(s.forward, profile, dtype, ranks)
-    b = compute_time(s.backward, profile, dtype, ranks) + compute_time(s.recompute, profile, dtype, ranks)
+    f = _time(s.forward, profile, rates)
+    b = _time(s.backward, profile, rates) + _time(s.recompute, profile, rates)
     comm = {"forward": 0.0, "backward": 0.0}
     behind = {"forward": 0.0, "backward": 0.0}
     for c in s.comm:

@@ -264,6 +264,13 @@ _TORCH_NAMES = (
 )
 _FIXED_V = {"gpipe": 1, "1f1b": 1, "zbv": 2}  # schedules whose chunk count is not a choice
 _DEFAULT_V = {"interleaved-1f1b": 2, "zb-h1": 1}
+_SPLIT_BACKWARD = frozenset({"zb-h1", "zbv"})  # the zero-bubble schedules: backward as I then W
+
+
+def splits_backward(name: str) -> bool:
+    """True when the schedule called `name` (any accepted spelling) splits backward into I and W actions,
+    as every schedule it builds then says (`Schedule.split_backward`)."""
+    return resolve_schedule(name, None)[0] in _SPLIT_BACKWARD
 
 
 def resolve_schedule(name: str, v: int | None) -> tuple[str, int]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields, replace
 from . import transformer_comm as _comm
 from . import transformer_work as _work
 from .mesh import Mesh
-from .schedules import resolve_schedule
+from .schedules import resolve_schedule, splits_backward
 from .schedules import schedule as build_schedule
 from .workload import Compute, StageWork, Workload
 
@@ -338,17 +338,12 @@ def _split_peaks(shape: ModelShape, c: StepConfig, seq: int, m: int, v: int, spl
     weight gradient) at its peak: `_peaks` and none waiting where backward is not split, else counted on the
     schedule (`waiting_peaks`), a waiting chunk weighing its activations and its residue."""
     name = resolve_schedule(c.schedule, v if v > 1 else None)[0]
-    if not _splits_backward(name):
+    if not splits_backward(name):
         return tuple((k, 0) for k in _peaks(c.schedule, c.pp, m, v))
     dense, moe = max(split[0], key=lambda dm: dm[0] + dm[1])
     act = _work.chunk_activation(shape, c, c.microbatch, seq, dense, moe)
     res = _work.chunk_weight_residue(shape, c, c.microbatch, seq, dense, moe)
     return waiting_peaks(name, c.pp, m, v, round(res / act, 2) if act else 0.0)
-
-
-@functools.lru_cache(maxsize=256)
-def _splits_backward(name: str) -> bool:
-    return any(a.kind == "W" for row in build_schedule(name, 2, 4, 2 if name == "zbv" else None).actions for a in row)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -32,6 +32,7 @@ from meshlib import (
     zb_h1,
     zbv,
 )
+from meshlib.schedules import splits_backward
 
 GRID = [(p, m) for p in range(1, 9) for m in range(p, 17)]
 
@@ -289,6 +290,8 @@ def test_names_are_case_insensitive_and_take_torch_class_names(alias, name, v):
     s = schedule(alias, 4, 8)
     assert (s.name, s.v) == (name, v)
     assert s == schedule(name, 4, 8, v)
+    # what the name says about the backward is what the schedule it builds runs
+    assert splits_backward(alias) == s.split_backward == any(a.kind == "W" for row in s.actions for a in row)
 
 
 def test_unknown_names_and_wrong_chunk_counts_raise():

@@ -60,7 +60,7 @@ def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> di
         out["busy"][str(n)] = _busy(pool, False, reps)
         rows = pool.run(collectives.collective_times, sizes, target=target, batches=5, timeout=_TIMEOUT)
         out["collectives"] += _slowest(rows, n)
-        out["lockstep"][str(n)] = _lockstep(pool.run(compute.lockstep, timeout=_TIMEOUT))
+        out["lockstep"][str(n)] = _rounds(pool.run(compute.lockstep, timeout=_TIMEOUT))
     out["seconds"] = time.perf_counter() - started
     out["machine"]["other_cpu"] = _others_share(before)
     return out
@@ -71,21 +71,17 @@ def _rank0(pool, fn, *args, **kwargs):
 
 
 def _busy(pool, alone: bool, reps: int) -> dict:
-    """The reference job (`compute.busy_compute`): per round the slowest rank, then `{what: (fastest round,
-    median round) seconds}` and `{what_work: the FLOPs, bytes or ops each round is}`."""
-    results = [r for r in pool.run(compute.busy_compute, alone, reps=reps, timeout=_TIMEOUT) if r is not None]
-    rounds = [{k: max(rank[i][k] for rank in results) for k in results[0][i]} for i in range(len(results[0]))]
-    out = {}
-    for key in rounds[0]:
-        times = [r[key] for r in rounds]
-        out[key] = times[0] if key.endswith("_work") else (min(times), statistics.median(times))
-    return out
+    """The reference job (`compute.busy_compute`), read by `_rounds`; its `{what_work: ...}` keys hold the
+    FLOPs, bytes or ops each round is."""
+    return _rounds([r for r in pool.run(compute.busy_compute, alone, reps=reps, timeout=_TIMEOUT) if r is not None])
 
 
-def _lockstep(per_rank: list) -> dict:
-    """`{what: (fastest, median) seconds per round}` of `compute.lockstep`: per repeat the slowest rank."""
-    repeats = [{k: max(rank[i][k] for rank in per_rank) for k in per_rank[0][i]} for i in range(len(per_rank[0]))]
-    return {k: (min(r[k] for r in repeats), statistics.median(r[k] for r in repeats)) for k in repeats[0]}
+def _rounds(per_rank: list) -> dict:
+    """Per round (a list of `{what: seconds}` per rank) the slowest rank, then `{what: (fastest round, median
+    round)}`; a `..._work` key is not a time, and keeps the first round's value."""
+    rounds = [{k: max(rank[i][k] for rank in per_rank) for k in per_rank[0][i]} for i in range(len(per_rank[0]))]
+    times = {k: [r[k] for r in rounds] for k in rounds[0]}
+    return {k: t[0] if k.endswith("_work") else (min(t), statistics.median(t)) for k, t in times.items()}
 
 
 def _slowest(rows_per_rank: list, n: int) -> list:
