@@ -53,13 +53,16 @@ class Link:
     the fraction of `bandwidth` a collective of each kind reaches on large messages (`(kind, fraction)`
     pairs; a kind not named reaches 1.0); `alphas`: seconds per step of the kinds whose latency is not
     `alpha` (`(kind, seconds)` pairs, `alpha_for`; measured by `meshlib calibrate`, where gloo's all-to-all
-    and send/recv wait far less per step than its all-reduce)."""
+    and send/recv wait far less per step than its all-reduce); `tree`: an all-reduce runs as a tree where
+    that takes fewer steps (NCCL chooses ring or tree by size); False: always a ring, as gloo's does (its
+    `gloo::allreduce`, which torch's ProcessGroupGloo calls without naming an algorithm, runs `ring` then)."""
 
     name: str
     alpha: float
     bandwidth: float
     efficiency: tuple[tuple[str, float], ...] = ()
     alphas: tuple[tuple[str, float], ...] = ()
+    tree: bool = True
 
     def __post_init__(self):
         if not (self.alpha >= 0 and self.bandwidth > 0):
@@ -108,10 +111,9 @@ class DeviceProfile:
       matrix-product work ranks computing at once do together, in units of one rank alone (two SMT threads
       of one core count less than 2); `sharing`: what was measured, `(work, N, speed)` rows: each of N ranks
       computing `work` ("matmul", "memory", "host") at once runs at `speed` times its speed alone. A kind of
-      work with rows is priced by them (`share`), one without at `min(1, cores / N)`; `lockstep`: `(N,
-      factor)` rows, how many times longer N such ranks take to compute and communicate in lockstep (a
-      collective after each stretch of compute waits for the rank the scheduler served last) than the two
-      take apart (`lockstep_factor`);
+      work with rows is priced by them (`share`), one without at `min(1, cores / N)`; `drift`: `(N, seconds)`
+      rows: N such ranks computing between two collectives drift apart, as the scheduler serves them in
+      turns, by `sqrt(drift * compute)`, and each collective waits for the last of them (`lockstep_wait`);
     - `comm_oversubscription`: on such a host, a collective takes `(ranks / cores) ** comm_oversubscription`
       times its link's alpha-beta time while the ranks outnumber the cores (`comm_slowdown`; measured by
       `meshlib calibrate`, where gloo's steps wait for a rank to get a core; 0: no slowdown);
@@ -132,7 +134,7 @@ class DeviceProfile:
     host_overlaps: bool = True
     cores: float = 0.0
     sharing: tuple[tuple[str, int, float], ...] = ()
-    lockstep: tuple[tuple[int, float], ...] = ()
+    drift: tuple[tuple[int, float], ...] = ()
     comm_oversubscription: float = 0.0
     source: str = ""
     extra: tuple[tuple[str, float], ...] = field(default=())  # measured figures a profile carries along
@@ -143,7 +145,7 @@ class DeviceProfile:
         _set(self, "links", tuple(self.links))
         _set(self, "extra", tuple((str(k), float(v)) for k, v in dict(self.extra).items()))
         _set(self, "sharing", tuple(sorted((str(w), int(n), float(v)) for w, n, v in self.sharing)))
-        _set(self, "lockstep", tuple(sorted((int(n), float(v)) for n, v in self.lockstep)))
+        _set(self, "drift", tuple(sorted((int(n), float(v)) for n, v in self.drift)))
         problems = []
         if not self.flops or any(v <= 0 for _, v in self.flops):
             problems.append(f"flops={dict(self.flops)} must give a positive FLOP/s for at least one dtype")
@@ -159,8 +161,8 @@ class DeviceProfile:
             problems.append("host_per_op, host_per_update_op, cores and comm_oversubscription >= 0")
         if any(n < 1 or not 0 < v <= 1 for _, n, v in self.sharing):
             problems.append(f"sharing={self.sharing}: rows (work, ranks >= 1, speed in (0, 1])")
-        if any(n < 1 or v < 1 for n, v in self.lockstep):
-            problems.append(f"lockstep={self.lockstep}: rows (ranks >= 1, factor >= 1)")
+        if any(n < 1 or v < 0 for n, v in self.drift):
+            problems.append(f"drift={self.drift}: rows (ranks >= 1, seconds >= 0)")
         if problems:
             raise ValueError(f"DeviceProfile {self.name!r}: " + "; ".join(problems))
 
@@ -193,13 +195,15 @@ class DeviceProfile:
             return min(1.0, self.cores / ranks)
         return min(1.0, _in_log_n(rows, ranks, lambda a, b, x: a ** (1 - x) * b ** x) / ranks)
 
-    def lockstep_factor(self, ranks: int) -> float:
-        """How many times longer `ranks` ranks sharing this host's cores take to compute and communicate in
-        lockstep than apart (`lockstep`, interpolated in log N, constant past the last row; 1.0 without rows)."""
-        rows = [(1, 1.0)] + [(n, v) for n, v in self.lockstep if n > 1]
-        if not self.cores or ranks <= 1 or len(rows) == 1:
-            return 1.0
-        return _in_log_n(rows, ranks, lambda a, b, x: a + (b - a) * x)
+    def lockstep_wait(self, ranks: int, compute: float, collectives: float) -> float:
+        """Seconds `ranks` ranks sharing this host's cores wait at `collectives` collectives spread over
+        `compute` seconds of each one's compute: each waits `sqrt(drift * compute / collectives)` for the last
+        rank, `sqrt(drift * compute * collectives)` in all (`drift` interpolated linearly in log N from 0 at one
+        rank, constant past the last row; 0 on devices that do not share cores)."""
+        rows = [(1, 0.0)] + [(n, v) for n, v in self.drift if n > 1]
+        if not self.cores or ranks <= 1 or len(rows) == 1 or collectives <= 0 or compute <= 0:
+            return 0.0
+        return math.sqrt(_in_log_n(rows, ranks, lambda a, b, x: a + (b - a) * x) * compute * collectives)
 
     def comm_slowdown(self, ranks: int) -> float:
         """How many times longer than its link's alpha-beta time a collective takes while `ranks` ranks share
@@ -228,10 +232,15 @@ class DeviceProfile:
     @classmethod
     def from_json(cls, text: str) -> DeviceProfile:
         data = json.loads(text)
+        if "lockstep" in data:
+            raise ValueError(
+                f"device profile {data.get('name')!r} carries `lockstep` factors, which meshlib no longer reads "
+                "(collectives now wait by `drift`). Fix: run `meshlib calibrate` again to write it afresh"
+            )
         links = tuple(Link(**{**link, "efficiency": tuple(map(tuple, link.get("efficiency", ()))),
                               "alphas": tuple(map(tuple, link.get("alphas", ())))})
                       for link in data.pop("links"))  # fmt: skip
-        for name in ("flops", "extra", "sharing", "lockstep"):
+        for name in ("flops", "extra", "sharing", "drift"):
             data[name] = tuple(map(tuple, data.get(name, ())))
         return cls(links=links, **data)
 

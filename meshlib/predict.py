@@ -19,9 +19,11 @@
   is the busiest rank's idle time. Where ranks share a host's cores, a rank waiting in the bubble lends its
   core to the others: the step takes the longer of the schedule at each rank's speed alone and the busiest
   rank's work at the shared speed (never more than the schedule at the shared speed throughout).
-- **Lockstep on shared cores.** Ranks sharing a host's cores take `profile.lockstep_factor(N)` times as long
-  to compute and communicate in lockstep as apart: a collective after a stretch of compute waits for the
-  rank the scheduler served last. The difference counts as exposed communication.
+- **Lockstep on shared cores.** Ranks sharing a host's cores drift apart while they compute, as the
+  scheduler serves them in turns; each collective waits for the last of them. Over a step of K collectives
+  among C seconds of each rank's compute that is `profile.lockstep_wait(N, C, K)`, `sqrt(drift * C * K)`
+  (a random walk: the spread grows with the square root of the stretch of compute between collectives). It
+  counts as exposed communication.
 
 Example:
     >>> from meshlib import Mesh
@@ -45,7 +47,7 @@ from .schedules import schedule as build_schedule
 from .simulation import bubble_formula, simulate
 from .workload import Comm, Compute, StageWork, Workload
 
-__all__ = ["Prediction", "comm_time", "compute_time", "link_of", "predict"]
+__all__ = ["Prediction", "collective_terms", "comm_time", "compute_time", "link_of", "predict"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,13 +122,20 @@ def comm_time(comm: Comm, mesh: Mesh, profile: DeviceProfile) -> float:
     if n <= 1 or comm.bytes <= 0:
         return 0.0
     kind = comm.kind if comm.kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") else "send_recv"
-    if kind == "all_reduce":
-        bus, steps = 2 * (n - 1) / n * comm.bytes, min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
-    elif kind == "send_recv":
-        bus, steps = comm.bytes, 1
-    else:
-        bus, steps = (n - 1) / n * comm.bytes, n - 1
+    steps, bus = collective_terms(kind, n, comm.bytes, link.tree)
     return (steps * link.alpha_for(kind) + bus / link.bus_bandwidth(kind)) * profile.comm_slowdown(mesh.size)
+
+
+def collective_terms(kind: str, n: int, nbytes: float, tree: bool = True) -> tuple[int, float]:
+    """(algorithm steps, bytes each device sends) of one `kind` collective of `nbytes` over `n` devices: a ring
+    (an all-reduce 2(n-1) steps of 2(n-1)/n of the bytes, or a tree's 2·ceil(log2 n) steps where `tree` and
+    fewer); one step for send/recv."""
+    if kind == "all_reduce":
+        ring = 2 * (n - 1)
+        return (min(ring, 2 * math.ceil(math.log2(n))) if tree else ring), ring / n * nbytes
+    if kind == "send_recv":
+        return 1, nbytes
+    return n - 1, (n - 1) / n * nbytes
 
 
 def compute_time(
@@ -185,7 +194,8 @@ def predict(workload: Workload, profile: DeviceProfile, *, simulate_pipeline: bo
     compute = max(p[3] for p in per) * m
     exposed_step = max(_step_comm(s, mesh, profile, per[i], m) for i, s in enumerate(workload.stages))
     optimizer = max(compute_time(s.optimizer, profile, "float32", ranks, profile.update_host) for s in workload.stages)
-    wait = (makespan + exposed_step) * (profile.lockstep_factor(ranks) - 1.0)  # at collectives, for the slowest
+    calls = max(sum(c.count for c in s.comm) * m + sum(c.count for c in s.step_comm) for s in workload.stages)
+    wait = profile.lockstep_wait(ranks, compute + optimizer, calls)  # at each collective, for the last rank
     step = makespan + exposed_step + wait + optimizer
     comm_bytes = max(sum(c.bytes * c.count for c in s.comm) * m + sum(c.bytes * c.count for c in s.step_comm)
                      for s in workload.stages)  # fmt: skip

@@ -19,6 +19,7 @@ import json
 import math
 import statistics
 
+import numpy as np
 import pytest
 
 from meshlib import Mesh
@@ -100,7 +101,7 @@ def test_profile_is_valid_and_round_trips(calibrated):
 @pytest.mark.ranks
 def test_shared_cores_and_model_memory_efficiency_are_read_off_their_measurements(calibrated):
     """Each kind of work's speed with 2 ranks at once is the measured one (alone over the slowest rank's, at
-    most 1), and `share` gives it back; so is the lockstep factor; memory_efficiency is what the 192-wide Llama's forward and backward
+    most 1), and `share` gives it back; so is the drift apart between collectives; memory_efficiency is what the 192-wide Llama's forward and backward
     leave after its products, fused attention and host time, over the bytes of its other ops."""
     profile, sidecar, _ = calibrated
     busy = sidecar["measurements"]["busy"]
@@ -108,8 +109,12 @@ def test_shared_cores_and_model_memory_efficiency_are_read_off_their_measurement
         measured = min(1.0, busy["1"][work][0] / busy["2"][work][0])
         assert (work, 2, pytest.approx(measured)) in profile.sharing
         assert profile.share(2, work) == pytest.approx(measured)
-    lock = sidecar["measurements"]["lockstep"]["2"]  # products alternating with all-reduces, against apart
-    assert profile.lockstep == ((2, max(1.0, lock["both"][0] / (lock["busy"][0] + lock["collective"][0]))),)
+    # products alternating with all-reduces: the wait beyond both apart, w = sqrt(drift * segment), least squares
+    lock = sidecar["measurements"]["lockstep"]["2"].values()
+    seg = np.array([t["busy"][0] for t in lock])
+    wait = np.array([max(0.0, t["both"][0] - t["busy"][0] - t["collective"][0]) for t in lock])
+    root = np.linalg.lstsq(np.sqrt(seg)[:, None], wait, rcond=None)[0][0]
+    assert len(seg) >= 2 and profile.drift == ((2, pytest.approx(root**2)),)
     model = sidecar["measurements"]["runtime"]["model"]
     before = profile.replace(memory_efficiency=sidecar["fits"]["memory_efficiency"]["fresh ops"])
     peak = before.flops_per_s("float32")

@@ -12,6 +12,8 @@ prediction survives its JSON round trip, and `meshlib plan --profile` and `--aut
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from meshlib import A100, Mesh, Plan, device_profile, predict_plan, workload_of
@@ -292,10 +294,28 @@ def test_a_pipeline_on_shared_cores_takes_the_longer_of_its_schedule_alone_and_i
     assert compute_time(f, cpu, "float32", 4) == pytest.approx(2 * t_f)
     assert predict(work, cpu).step_time == pytest.approx(max(alone, shared))
     assert alone < shared < alone * 2  # the bubble (3 of 11 slots) is less than the slowdown
-    slow = predict(work, cpu.replace(lockstep=((4, 1.25),)))  # in lockstep: the wait counts as exposed comm
-    assert slow.step_time == pytest.approx(1.25 * max(alone, shared)) and slow.comm == pytest.approx(0.25 * shared)
+    assert predict(work, cpu.replace(drift=((4, 1e-3),))).step_time == predict(work, cpu).step_time  # no collective
     gpu = predict(work, cpu.replace(cores=0.0))
     assert gpu.step_time == pytest.approx(alone) and gpu.bubble == pytest.approx(alone - 8 * (t_f + t_b))
+
+
+def test_ranks_in_lockstep_wait_at_each_collective_for_the_last_of_them():
+    """Four dp ranks on 2 cores with 3 all-reduces per microbatch and 2 per step: the step takes
+    sqrt(drift * C * K) longer than without drift, C the rank's compute and update, K = 3 * m + 2; the wait
+    counts as communication."""
+    from meshlib.predict import predict
+    from meshlib.workload import Comm, Compute, StageWork, Workload
+
+    cpu = A100.replace(name="cpu-like", cores=2.0, host_overlaps=False, links=(A100.links[0],))
+    grad = Comm("all_reduce", ("dp",), 1e6, phase="backward", count=3)
+    stage = StageWork(forward=Compute(((2e11, 0.0, 1),)), backward=Compute(((4e11, 0.0, 1),)), comm=(grad,),
+                      step_comm=(Comm("all_reduce", ("dp",), 1e6, phase="backward", count=2),),
+                      optimizer=Compute((), 0.0, 1e8, 10))  # fmt: skip
+    work = Workload(Mesh(dp=4), (stage,), tokens=1, model_flops=1.0, dtype="float32", microbatches=4)
+    apart, lock = predict(work, cpu), predict(work, cpu.replace(drift=((4, 2e-3),)))
+    wait = math.sqrt(2e-3 * (apart.compute + apart.optimizer) * (3 * 4 + 2))
+    assert lock.step_time - apart.step_time == pytest.approx(wait) and lock.comm - apart.comm == pytest.approx(wait)
+    assert wait > 0.01 * apart.step_time
 
 
 def test_ranks_sharing_cores_run_at_the_measured_speed_interpolated_in_log_ranks():
@@ -312,10 +332,12 @@ def test_ranks_sharing_cores_run_at_the_measured_speed_interpolated_in_log_ranks
     assert p.share(4, "host") == pytest.approx(0.3) and p.share(2, "host") == pytest.approx((1 * 1.2) ** 0.5 / 2)
     assert p.share(4, "memory") == pytest.approx(1.6 / 4)  # no rows: the cores
     assert A100.share(64) == 1.0  # GPUs share no cores
-    # lockstep: the factor interpolated linearly in log N from 1 at one rank, constant past the last row
-    q = p.replace(lockstep=((2, 1.0), (8, 1.3)))
-    assert q.lockstep_factor(1) == 1.0 and q.lockstep_factor(4) == pytest.approx(1.15)
-    assert q.lockstep_factor(32) == pytest.approx(1.3) and A100.replace(lockstep=((8, 1.3),)).lockstep_factor(8) == 1.0
+    # drift: interpolated linearly in log N from 0 at one rank, constant past the last row; the wait at K
+    # collectives over C seconds of compute is sqrt(drift * C * K)
+    q = p.replace(drift=((2, 1e-3), (8, 4e-3)))
+    assert q.lockstep_wait(1, 0.5, 10) == 0.0 and q.lockstep_wait(4, 0.5, 0) == 0.0
+    assert q.lockstep_wait(4, 0.5, 10) == pytest.approx(math.sqrt(2.5e-3 * 0.5 * 10))
+    assert q.lockstep_wait(32, 0.2, 5) == pytest.approx(math.sqrt(4e-3)) and A100.replace(drift=((8, 1.0),)).lockstep_wait(8, 1, 1) == 0
     with pytest.raises(ValueError, match="sharing"):
         A100.replace(sharing=(("matmul", 2, 1.5),))
 

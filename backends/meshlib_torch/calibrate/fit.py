@@ -22,8 +22,9 @@ batch of each measurement (`compute.timed`: the one other processes disturbed le
 - **cores**: `sharing` holds, per kind of work (products, fresh adds, tiny ops' host time) and N ranks
   computing at once, each one's speed against one rank alone (`fit_cores`); `cores` is the median over
   N > 1 of the products' work together (N x speed), in units of one rank alone, not rounded (two SMT
-  threads of one core do less than two ranks' work); `lockstep` per N, the rounds of a segment of products
-  then a 1 KiB all-reduce over the segments alone plus the all-reduces alone (`fit_lockstep`);
+  threads of one core do less than two ranks' work); `drift` per N, from rounds of a segment of products then
+  a 1 KiB all-reduce at several segment lengths s: what a round takes beyond the segment alone plus the
+  all-reduce alone is the wait `sqrt(drift * s)`, fitted by least squares (`fit_drift`);
 - **the link**: `steps * alpha_for(kind) + bus / (bandwidth * efficiency[kind])`, `meshlib.predict.comm_time`'s
   formula, with per kind its own latency per step (`Link.alphas`; `alpha` is all-reduce's) and bandwidth,
   fitted by least squares on relative error, each time multiplied by `max(1, N / cores) **
@@ -39,10 +40,10 @@ import statistics
 import numpy as np
 
 from meshlib.devices import DeviceProfile, Link
-from meshlib.predict import compute_time
+from meshlib.predict import collective_terms, compute_time
 from meshlib.workload import Compute
 
-__all__ = ["comm_terms", "fit_attention", "fit_cores", "fit_link", "fit_lockstep", "fit_matmul", "fit_memory",
+__all__ = ["comm_terms", "fit_attention", "fit_cores", "fit_drift", "fit_link", "fit_matmul", "fit_memory",
            "fit_model_memory", "fit_profile", "saturating"]  # fmt: skip
 
 _GAMMAS = tuple(round(0.05 * i, 2) for i in range(41))
@@ -89,12 +90,9 @@ def fit_cores(busy: dict, cores_max: int) -> tuple[float, dict[str, dict[int, fl
 
 
 def comm_terms(kind: str, n: int, nbytes: float) -> tuple[float, float]:
-    """(algorithm steps, bus bytes) of one collective, as `meshlib.predict.comm_time` counts them."""
-    if kind == "all_reduce":
-        return min(2 * (n - 1), 2 * math.ceil(math.log2(n))), 2 * (n - 1) / n * nbytes
-    if kind == "send_recv":
-        return 1, nbytes
-    return n - 1, (n - 1) / n * nbytes
+    """(algorithm steps, bus bytes) of one gloo collective, as `meshlib.predict.comm_time` counts them on a
+    link without trees (gloo's all-reduce is a ring)."""
+    return collective_terms(kind, n, nbytes, tree=False)
 
 
 def fit_link(points, cores: float) -> dict:
@@ -146,10 +144,15 @@ def fit_model_memory(model: dict, profile: DeviceProfile) -> float | None:
     return min(1.0, model["bytes"] / rest / profile.memory_bandwidth)
 
 
-def fit_lockstep(lockstep: dict) -> tuple[tuple[int, float], ...]:
-    """`(N, factor)` rows from `compute.lockstep`'s `{N: {what: (fastest, median)}}`: the fastest round of
-    products alternating with all-reduces over the fastest of each alone (at least 1)."""
-    return tuple((int(n), max(1.0, t["both"][0] / (t["busy"][0] + t["collective"][0]))) for n, t in lockstep.items())
+def fit_drift(lockstep: dict) -> tuple[tuple[int, float], ...]:
+    """`(N, drift seconds)` rows from `compute.lockstep`'s `{N: {products: {what: (fastest, median)}}}`: per
+    segment length s (`busy`), the wait w = max(0, both - busy - collective), fastest rounds; `sqrt(drift)` is
+    the least-squares slope of w on sqrt(s)."""
+    rows = []
+    for n, by_len in lockstep.items():
+        pts = [(t["busy"][0], max(0.0, t["both"][0] - t["busy"][0] - t["collective"][0])) for t in by_len.values()]
+        rows.append((int(n), (sum(w * math.sqrt(s) for s, w in pts) / sum(s for s, _ in pts)) ** 2))
+    return tuple(rows)
 
 
 def fit_attention(rows, peak: float) -> float:
@@ -169,7 +172,7 @@ def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
     top = max(comm["bandwidth"].values())
     link = Link("loopback", alpha=comm["alpha"].get("all_reduce", min(comm["alpha"].values())), bandwidth=top,
                 efficiency=tuple((k, b / top) for k, b in comm["bandwidth"].items()),
-                alphas=tuple(comm["alpha"].items()))  # fmt: skip
+                alphas=tuple(comm["alpha"].items()), tree=False)  # fmt: skip
     bandwidth, mem_eff = fit_memory(m["memory"])
     extra = {f"matmul_{what}.{d}": f[what] for what in ("rate", "half", "best") for d, f in mm.items()}
     extra |= {f"host.{k}": v for k, v in host.items()}
@@ -180,7 +183,7 @@ def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
         fused_efficiency=fit_attention(m["attention"], flops["float32"]), devices_per_node=max(m["ranks"]),
         links=(link,), **_host(m, host), host_overlaps=False, cores=cores,
         sharing=tuple((w, n, v) for w, by_n in speed.items() for n, v in by_n.items() if n > 1),
-        lockstep=fit_lockstep(m.get("lockstep", {})),
+        drift=fit_drift(m.get("lockstep", {})),
         comm_oversubscription=comm["gamma"], source=_source(m), extra=tuple(extra.items()),
     )  # fmt: skip
     model = fit_model_memory(m["runtime"]["model"], profile) if "model" in m.get("runtime", {}) else None

@@ -4,7 +4,7 @@ The order, written once (`measure`): on the smallest pool, rank 0 alone (the oth
 matrix products, the elementwise ops, fused attention, the host's time per op and the reference job of
 `busy_compute`; a pool of one rank, the host's time per op of a compiled model (`runtime`); then, for each
 world size asked for, every rank runs the reference job at once, the collectives, and products alternating
-with all-reduces (`compute.lockstep`).
+with all-reduces (`compute.lockstep`, segments of `LOCKSTEP_PRODUCTS` products).
 The pools are `meshlib_torch.testing.pool`'s: workers forked from a forkserver that has imported torch,
 one torch thread each, one gloo group per pool.
 """
@@ -60,10 +60,14 @@ def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> di
         out["busy"][str(n)] = _busy(pool, False, reps)
         rows = pool.run(collectives.collective_times, sizes, target=target, batches=5, timeout=_TIMEOUT)
         out["collectives"] += _slowest(rows, n)
-        out["lockstep"][str(n)] = _rounds(pool.run(compute.lockstep, timeout=_TIMEOUT))
+        out["lockstep"][str(n)] = {str(k): _rounds(pool.run(compute.lockstep, products=k, timeout=_TIMEOUT))
+                                   for k in (LOCKSTEP_PRODUCTS[::2] if quick else LOCKSTEP_PRODUCTS)}  # fmt: skip
     out["seconds"] = time.perf_counter() - started
     out["machine"]["other_cpu"] = _others_share(before)
     return out
+
+
+LOCKSTEP_PRODUCTS = (2, 10, 40)  # segments from about one to about forty milliseconds between collectives
 
 
 def _rank0(pool, fn, *args, **kwargs):

@@ -46,7 +46,8 @@ def _profile(cal) -> Table:
         ("cores", f"{p.cores:g}", "products: the work N ranks did at once, in ranks alone (median over N)"),
         ("comm_oversubscription", f"{p.comm_oversubscription:.2f}", "collectives x (N/cores)^this for N > cores"),
         *((f"sharing[{w}, {n}]", f"{v:.3f}", "each of N ranks' speed at once, over alone") for w, n, v in p.sharing),
-        *((f"lockstep[{n}]", f"{v:.3f}", "products alternating with all-reduces, over apart") for n, v in p.lockstep),
+        *((f"drift[{n}]", f"{v * 1e3:.3f} ms", "a collective waits sqrt(this x compute since the last)")
+          for n, v in p.drift),
         (f"link {link.name}: alpha", f"{link.alpha * 1e6:.1f} us", "per algorithm step (all-reduce's)"),
         (f"link {link.name}: bandwidth", f"{link.bandwidth / 1e9:.3f} GB/s", "the fastest kind's bus bandwidth"),
     ]
@@ -109,9 +110,9 @@ def _cores(cal) -> Table:
     for n, b in sorted(busy.items(), key=lambda kv: int(kv[0])):
         k = int(n)
         speed = {what: alone[what][0] / b[what][0] for what in ("matmul", "memory", "host")}
-        lock = cal.measurements.get("lockstep", {}).get(n)
-        lock = (f"{1e3 * lock['busy'][0]:.1f} + {1e3 * lock['collective'][0]:.2f} -> {1e3 * lock['both'][0]:.1f} "
-                f"(x{p.lockstep_factor(k):.2f})") if lock else "-"  # fmt: skip
+        lock = cal.measurements.get("lockstep", {}).get(n, {})
+        lock = "; ".join(f"{1e3 * t['busy'][0]:.1f} + {1e3 * t['collective'][0]:.2f} -> {1e3 * t['both'][0]:.1f} "
+                         f"({1e3 * p.lockstep_wait(k, t['busy'][0], 1):.1f})" for t in lock.values()) or "-"
         rows.append((k, *(f"{v:.3f} ({p.share(k, what):.3f})" for what, v in speed.items()),
                      f"{k * speed['matmul']:.2f}", lock))  # fmt: skip
     return Table(
@@ -121,7 +122,8 @@ def _cores(cal) -> Table:
          "lockstep ms: segment + all-reduce -> alternating"),  # fmt: skip
         rows,
         "products: fp32 x @ W.T of 512x512 by 2048x512; fresh a + b of 64 MiB; tiny x * y under autograd; "
-        "lockstep: 10 products of 256x256 then a 1 KiB all-reduce, per round (`lockstep` factor in brackets)",
+        "lockstep: 2, 10 and 40 products of 256x256 then a 1 KiB all-reduce, per round (the wait "
+        "`lockstep_wait` predicts for one such round in brackets, ms)",
     )
 
 
