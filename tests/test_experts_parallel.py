@@ -89,6 +89,8 @@ def test_the_plan_counts_the_all_to_all_and_the_host_syncs_as_each_rank_runs_the
         assert {key: plan[key] for key in want} == want
     exchanges = [c for c in results[0]["plan"].collectives if c.op == "lax.all_to_all_v"]
     assert exchanges and all(c.bus_bytes == c.total_bytes for c in exchanges)  # its records hold what leaves
+    # what the plan took for routing it says: dropless spreads the tokens evenly
+    assert "spreads them evenly over the experts" in dict(results[0]["plan"].notes)["MoE routing"]
 
 
 # -- ZeRO with ep: the experts' state over the data ranks besides ep, the rest over all ------------------
@@ -220,6 +222,7 @@ def test_capacity_mode_drops_what_one_process_drops_by_its_rule(mesh, options, b
     for got in get_pool(size).run(_capacity_job, trial):
         assert got["dropped"][0] == want
         assert not [c for c in got["plan"].collectives if c.kind == "host_sync"]
+        assert "MoE routing" not in dict(got["plan"].notes)  # capacity bounds what each expert takes
 
 
 def test_meshlib_runs_capacity_mode_against_its_one_process_reference():

@@ -77,15 +77,27 @@ def compile_model(
     _check_axes_used(compiled, pipe.pp_axis, par.idle_axes)
     _check_fsdp_axes(compiled)
     compiled = dataclasses.replace(compiled, plan=_with_work(compiled.plan, call, m))
+    notes = []
     if m > 1 and expert_modules(model):
-        note = (
+        notes.append(("MoE", (
             "routing statistics, and a load-balancing loss computed from them, are each microbatch's (as "
             "Megatron-LM and torchtitan compute them), not the whole batch's as one step over it would; token "
             "counts for a balancing bias add up over the microbatches"
-        )
-        plan = compiled.plan.replace(notes=(*compiled.plan.notes, ("MoE", note)))
-        compiled = dataclasses.replace(compiled, plan=plan)
+        )))  # fmt: skip
+    if par.capacity_factor is None and expert_modules(model):
+        notes.append(("MoE routing", ROUTING_NOTE))
+    if notes:
+        compiled = dataclasses.replace(compiled, plan=compiled.plan.replace(notes=(*compiled.plan.notes, *notes)))
     return compiled
+
+
+# what a plan cannot know of a dropless MoE layer before it runs: stated on every such plan
+ROUTING_NOTE = (
+    "dropless: how many tokens each expert gets is known only as the step runs, so this plan spreads them "
+    "evenly over the experts (the all-to-all bytes, the experts' FLOPs and, in a dry run, their activations). "
+    "A rank whose experts draw r times the mean computes, moves and holds r times that part; capacity_factor "
+    "bounds r"
+)
 
 
 def _with_work(plan, call: Call, m: int):
