@@ -1,6 +1,7 @@
 """The planner against measurement on this machine, against exhaustive search, and at the field's scale.
 
     python benchmarks/bench_planner.py cpu          # (a) predicted vs measured step time and peak, gloo ranks
+    python benchmarks/bench_planner.py hf           # (a') the same for transformers' Llama, Qwen2 and GPT-2
     python benchmarks/bench_planner.py exhaustive   # (b) the search's best vs the exhaustive best
     python benchmarks/bench_planner.py scale        # (c) Llama-3-405B on 16,384 H100s, DeepSeek-V3 on 2,048
     python benchmarks/bench_planner.py all
@@ -12,6 +13,8 @@
     each; the peak by `PeakTracker`). The measured step is the fastest timed one, as the calibration reads
     the fastest batch of each micro-benchmark (other processes only ever add time); the median is beside
     it. Reported: each error, the mean and largest, and the Spearman correlation of the two rankings.
+(a') As (a), for transformers' Llama, Qwen2 and GPT-2 built from small configs with random weights (no
+    download; `planner_worker.hf_model`, the tests' builders and rules): models meshlib did not write.
 (b) For small spaces (dense and MoE, short and long sequences), `meshlib.planner(...)[0]` against the best of
     `search(..., exhaustive=True)` under the same cost model.
 (c) The search and the winner's full per-rank plan (compiled on an abstract mesh, meta device) for the
@@ -63,6 +66,17 @@ CONFIGS = [
     (LLAMA, "dp=4,cp=2", {"zero": 3, "cp_method": "all-gather"}),
 ]
 BATCH, SEQ = 8, 128
+# transformers' models (planner_worker.HF_SIZES: 256 wide, 4 layers, GQA 8/4 heads; GPT-2 as wide)
+HF_CONFIGS = [
+    ("Llama", "dp=4", {}),
+    ("Llama", "dp=4", {"zero": 3}),
+    ("Llama", "tp=4", {"sequence_parallel": True}),
+    ("Llama", "dp=2,tp=2", {}),
+    ("Llama", "pp=2,dp=2", {"microbatches": 4, "schedule": "1f1b"}),
+    ("Qwen2", "dp=4", {"zero": 1}),
+    ("gpt2", "dp=4", {}),
+    ("gpt2", "dp=2,tp=2", {}),
+]
 
 
 def markdown(header: tuple, body: list) -> str:
@@ -105,15 +119,44 @@ def planned(model: tuple, mesh: str, options: dict, profile):
 
 
 def bench_cpu(quick: bool) -> None:
+    print("## (a) predicted vs measured on gloo ranks\n")
+    runs = []
+    for model, mesh, options in CONFIGS[::3] if quick else CONFIGS:
+        job = (planner_worker.measure, model[0], model[1], mesh, BATCH, SEQ, options, 2, 3 if quick else 7)
+        runs.append((model[0], mesh, options, lambda p, model=model, mesh=mesh, options=options: planned(
+            model, mesh, options, p), job))
+    _against_ranks(runs)
+
+
+def bench_hf(quick: bool) -> None:
+    """transformers' Llama, Qwen2 and GPT-2 (models meshlib did not write), as (a)."""
+    print("## (a') transformers' models, predicted vs measured on gloo ranks\n")
+    runs = []
+    for family, mesh, options in HF_CONFIGS[::3] if quick else HF_CONFIGS:
+        job = (planner_worker.measure_hf, family, mesh, BATCH, SEQ, options, 2, 3 if quick else 7)
+        runs.append((family, mesh, options, lambda p, family=family, mesh=mesh, options=options: planned_hf(
+            family, mesh, options, p), job))
+    _against_ranks(runs)
+
+
+def planned_hf(family: str, mesh: str, options: dict, profile):
+    m = Mesh.parse(mesh)
+    plan = compile_model(planner_worker.hf_model(family), mesh=m, rules=planner_worker.hf_rules(family, m),
+                         example_kwargs=planner_worker.hf_batch(0, BATCH, SEQ), estimate_memory=True,
+                         **options).plan  # fmt: skip
+    return plan, predict_plan(plan, profile)
+
+
+def _against_ranks(runs: list) -> None:
+    """Each run `(model, mesh, options, plan of the profile, rank job)`: the plan's prediction, then the job on
+    real ranks; the table, each error, and the Spearman correlation of the two rankings."""
     profile = device_profile("cpu")
-    print(f"## (a) predicted vs measured on gloo ranks\n\nprofile: {profile.name} ({profile.source})\n")
+    print(f"profile: {profile.name} ({profile.source})\n")
     rows, preds, meas, mem_errs = [], [], [], []
-    configs = CONFIGS[::3] if quick else CONFIGS
-    for model, mesh, options in configs:
-        plan, pred = planned(model, mesh, options, profile)
+    for name, mesh, options, plan_of, job in runs:
+        plan, pred = plan_of(profile)
         n = Mesh.parse(mesh).size
-        got = get_pool(n).run(planner_worker.measure, model[0], model[1], mesh, BATCH, SEQ, options, 2,
-                              3 if quick else 7)  # fmt: skip
+        got = get_pool(n).run(*job)
         measured, median = min(got[0]["times"]), got[0]["median"]
         peaks = [g["peak"] for g in got]
         coords = [Mesh.parse(mesh).coords(r) for r in range(n)]
@@ -125,7 +168,7 @@ def bench_cpu(quick: bool) -> None:
         mem_errs.append(mem_err)
         what = ", ".join(f"{k}={v}" for k, v in options.items())
         parts = " / ".join(f"{1e3 * t:.0f}" for t in (pred.compute, pred.comm, pred.bubble, pred.optimizer))
-        rows.append((model[0], mesh, what or "-", f"{pred.step_time:.3f}", parts, f"{measured:.3f}", f"{median:.3f}",
+        rows.append((name, mesh, what or "-", f"{pred.step_time:.3f}", parts, f"{measured:.3f}", f"{median:.3f}",
                      f"{err:+.0%}",
                      f"{max(planned_peaks) / MiB:.1f}", f"{max(peaks) / MiB:.1f}", f"{mem_err:.1%}"))  # fmt: skip
         print(rows[-1], flush=True)
@@ -219,13 +262,15 @@ def bench_scale() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("cpu", "exhaustive", "scale", "all"))
+    ap.add_argument("part", choices=("cpu", "hf", "exhaustive", "scale", "all"))
     ap.add_argument("--quick", action="store_true", help="(a): a third of the configurations, fewer steps")
     args = ap.parse_args()
     print(describe(), "\n")
     torch.set_num_threads(1)
     if args.part in ("cpu", "all"):
         bench_cpu(args.quick)
+    if args.part in ("hf", "all"):
+        bench_hf(args.quick)
     if args.part in ("exhaustive", "all"):
         bench_exhaustive()
     if args.part in ("scale", "all"):

@@ -10,7 +10,9 @@ pickles by qualified name.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,10 @@ def measure(name: str, overrides: dict, mesh: str, batch: int, seq: int, options
     batches = [data.batch(i, batch_size=batch, seq_len=seq) for i in range(2)]
     par = parallelize(module, mesh=m, rules=models.default_rules(cfg, m), example_inputs=batches[0], init=init,
                       **options)  # fmt: skip
+    return _timed(par, batches, warmup, steps)
+
+
+def _timed(par, batches: list, warmup: int, steps: int) -> dict:
     opt = par.optimizer(lr=1e-4)
     for i in range(warmup):
         par.train_step(batches[i % 2], opt)
@@ -52,3 +58,50 @@ def measure(name: str, overrides: dict, mesh: str, batch: int, seq: int, options
         tracker.baseline(list(par.parameters()) + list(par.buffers()) + state)
         par.train_step(batches[0], opt)
     return {"times": times, "median": statistics.median(times), "peak": tracker.peak}
+
+
+# -- transformers' models: built from small configs with random weights (no download), as the tests build them --
+HF_SIZES = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4, max_position_embeddings=256)  # fmt: skip
+
+
+def _real_models():
+    """The tests' builders and rules of transformers' models (tests/real_models.py), one copy for both."""
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import real_models
+
+    return real_models
+
+
+def hf_model(family: str):
+    """transformers' `<family>ForCausalLM` (Llama, Qwen2, ...) at `HF_SIZES`, or GPT-2 of the same width."""
+    rm = _real_models()
+    if family != "gpt2":
+        return rm.build_hf(family, **HF_SIZES)
+    tf = rm._quiet_transformers()
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=HF_SIZES["vocab_size"], n_positions=256, n_embd=256, n_layer=4, n_head=8,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return tf.GPT2LMHeadModel(cfg).train()
+
+
+def hf_rules(family: str, mesh: Mesh):
+    rm = _real_models()
+    return rm.rules_gpt2(mesh) if family == "gpt2" else rm.rules_llama(mesh)
+
+
+def hf_batch(step: int, batch: int, seq: int) -> dict:
+    """Keyword inputs, as a Hugging Face training loop passes them."""
+    ids = torch.randint(0, HF_SIZES["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1000 + step))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def measure_hf(family: str, mesh: str, batch: int, seq: int, options: dict, warmup: int, steps: int) -> dict:
+    """`measure` for transformers' `family`, its weights its own random init."""
+    torch.use_deterministic_algorithms(False)
+    m = Mesh.parse(mesh)
+    batches = [hf_batch(i, batch, seq) for i in range(2)]
+    par = parallelize(hf_model(family), mesh=m, rules=hf_rules(family, m), example_kwargs=batches[0], **options)
+    return _timed(par, batches, warmup, steps)

@@ -78,12 +78,11 @@ def build_llama(dtype=torch.float32) -> nn.Module:
 
 def build_hf(family: str, dtype=torch.float32, layers: int = 2, **extra) -> nn.Module:
     """transformers' `<family>ForCausalLM` from `<family>Config` at this file's small size (4 query heads, 2
-    key/value heads), `extra` config fields on top; random weights, the same on every call."""
+    key/value heads), `extra` config fields on top (sizes too); random weights, the same on every call."""
     tf = _quiet_transformers()
-    cfg = getattr(tf, f"{family}Config")(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, **extra,
-    )  # fmt: skip
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    cfg = getattr(tf, f"{family}Config")(**{**sizes, "bos_token_id": 0, "eos_token_id": 0, **extra})
     torch.manual_seed(0)
     return getattr(tf, f"{family}ForCausalLM")(cfg).to(dtype).train()
 
