@@ -159,6 +159,21 @@ def test_a_plans_prediction_is_printed_and_kept_in_its_json(tmp_path, capsys):
     assert plan.prediction is not None and plan.prediction == predict_plan(plan.replace(prediction=None), A100)
 
 
+def test_auto_says_when_the_full_plan_disagrees_with_the_search():
+    """Beyond 25% apart, --auto prints both predictions part by part; within it, nothing."""
+    from meshlib import Prediction
+    from meshlib_torch.cli import disagreement
+
+    def pred(compute, comm):
+        return Prediction(step_time=compute + comm, compute=compute, comm=comm, bubble=0.0, optimizer=0.0,
+                          tokens_per_s=1.0, mfu=0.5, memory=1, comm_bytes=1.0, devices=8, profile="h100")  # fmt: skip
+
+    assert disagreement(pred(4.0, 1.0), pred(4.5, 1.5)) is None  # 6 s against 5: 20%
+    said = disagreement(pred(4.0, 0.9), pred(18.0, 1.4))
+    assert said.startswith("note: the full plan predicts 19.4 s per step where the search's closed form said 4.9 s")
+    assert "compute 4 / 18 s, comm 0.9 / 1.4 s" in said
+
+
 def test_auto_prints_the_best_plans_why_and_how_to_run_the_first(capsys):
     from meshlib_torch.cli import main
 
