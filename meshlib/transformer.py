@@ -384,7 +384,7 @@ def _stage(shape: ModelShape, c: StepConfig, seq: int, m: int, rank: int, chunks
     return replace(work, memory=int(state + act * full + residue * waiting + head))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 17)
 def _stage_of(shape: ModelShape, c: StepConfig, seq: int, m: int, first: bool, last: bool,
               chunks: tuple) -> tuple[StageWork, float, float, float, float]:  # fmt: skip
     """The ranks holding `chunks` (`(dense, moe)` layers each): the embedding on the first, the head and loss on
@@ -395,8 +395,9 @@ def _stage_of(shape: ModelShape, c: StepConfig, seq: int, m: int, first: bool, l
     dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
     passes = _passes(shape, c, b, seq, dense, moe, first, last)
     params = _work.stage_params(shape, c, dense, moe, embed=first, head=last)
-    act = max(_work.chunk_activation(shape, c, b, seq, d, x) for d, x in chunks)
-    residue = max(_work.chunk_weight_residue(shape, c, b, seq, d, x) for d, x in chunks)
+    per = [(f(shape, c, b, seq, 1, 0), f(shape, c, b, seq, 0, 1) if moe else 0.0)  # a layer's; chunks add them
+           for f in (_work.chunk_activation, _work.chunk_weight_residue)]  # fmt: skip
+    act, residue = (max(d * one + x * other for d, x in chunks) for one, other in per)
     tied = shape.tied and c.pp > 1 and (first or last)
     work = StageWork(
         forward=passes.forward, backward=passes.backward, recompute=passes.recompute, weight=passes.weight,

@@ -226,10 +226,24 @@ def stage_passes(shape, c, b: int, seq: int, dense: int, moe: int, *, embed: boo
     """A pipeline rank's passes per microbatch: its `dense` and `moe` layers over all its chunks, and the
     embedding or the head where it holds them."""
     parts = [_ends(shape, c, b * seq // c.cp, embed, head)]
-    parts += [_scaled(_passes(_layer(shape, c, b, seq, False), c), dense)] if dense else []
-    parts += [_scaled(_passes(_layer(shape, c, b, seq, True), c), moe)] if moe else []
+    parts += [_scaled(_layer_passes(shape, c, b, seq, False), dense)] if dense else []
+    parts += [_scaled(_layer_passes(shape, c, b, seq, True), moe)] if moe else []
     return Passes(*(sum((getattr(p, k) for p in parts[1:]), getattr(parts[0], k))
                     for k in ("forward", "backward", "recompute", "weight")))  # fmt: skip
+
+
+_LAYER_PASSES: dict = {}
+
+
+def _layer_passes(shape, c, b: int, seq: int, moe: bool) -> Passes:
+    """One layer's passes, computed once per set of the fields they read (`COMPUTE_FIELDS`)."""
+    key = (shape, *(getattr(c, f) for f in COMPUTE_FIELDS), b, seq, moe)
+    found = _LAYER_PASSES.get(key)
+    if found is None:
+        if len(_LAYER_PASSES) > 1 << 14:
+            _LAYER_PASSES.clear()
+        found = _LAYER_PASSES[key] = _passes(_layer(shape, c, b, seq, moe), c)
+    return found
 
 
 def _scaled(p: Passes, k: int) -> Passes:
