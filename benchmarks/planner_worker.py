@@ -77,14 +77,11 @@ def _real_models():
 
 def hf_model(family: str):
     """transformers' `<family>ForCausalLM` (Llama, Qwen2, ...) at `HF_SIZES`, or GPT-2 of the same width."""
-    rm = _real_models()
-    if family != "gpt2":
-        return rm.build_hf(family, **HF_SIZES)
-    tf = rm._quiet_transformers()
-    torch.manual_seed(0)
-    cfg = tf.GPT2Config(vocab_size=HF_SIZES["vocab_size"], n_positions=256, n_embd=256, n_layer=4, n_head=8,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
-    return tf.GPT2LMHeadModel(cfg).train()
+    rm, h = _real_models(), HF_SIZES
+    if family == "gpt2":
+        return rm.build_gpt2(vocab=h["vocab_size"], n_positions=h["max_position_embeddings"], n_embd=h["hidden_size"],
+                             n_layer=h["num_hidden_layers"], n_head=h["num_attention_heads"])  # fmt: skip
+    return rm.build_hf(family, **h)
 
 
 def hf_rules(family: str, mesh: Mesh):
@@ -93,9 +90,8 @@ def hf_rules(family: str, mesh: Mesh):
 
 
 def hf_batch(step: int, batch: int, seq: int) -> dict:
-    """Keyword inputs, as a Hugging Face training loop passes them."""
-    ids = torch.randint(0, HF_SIZES["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1000 + step))
-    return {"input_ids": ids, "labels": ids.clone()}
+    """Keyword inputs, as a Hugging Face training loop passes them (the tests' `hf_batch`)."""
+    return _real_models().hf_batch(step, HF_SIZES["vocab_size"], batch, seq)
 
 
 def measure_hf(family: str, mesh: str, batch: int, seq: int, options: dict, warmup: int, steps: int) -> dict:

@@ -35,7 +35,6 @@ __all__ = [
 COLLECTIVE_ALGORITHMS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 
 
-
 def _in_log_n(rows: list[tuple[int, float]], n: int, mix) -> float:
     """The value at `n` of measured `(N, value)` rows sorted by N: `mix(v0, v1, x)` between the two rows around
     it, with x its position between them in log N; past the last row, the last row's value."""
@@ -43,6 +42,7 @@ def _in_log_n(rows: list[tuple[int, float]], n: int, mix) -> float:
         if n <= n1:
             return mix(v0, v1, math.log(n / n0) / math.log(n1 / n0))
     return rows[-1][1]
+
 
 @dataclass(frozen=True, slots=True)
 class Link:

@@ -415,13 +415,9 @@ _PASSES: dict = {}
 def _passes(shape: ModelShape, c: StepConfig, b: int, seq: int, dense: int, moe: int, first: bool, last: bool):
     """`transformer_work.stage_passes`, computed once per set of the fields it reads (`COMPUTE_FIELDS`): a
     search tries many configurations that compute alike (other ZeRO levels, data and pipeline degrees)."""
-    key = (shape, *(getattr(c, f) for f in _work.COMPUTE_FIELDS), b, seq, dense, moe, first, last)
-    found = _PASSES.get(key)
-    if found is None:
-        if len(_PASSES) > 1 << 16:
-            _PASSES.clear()
-        found = _PASSES[key] = _work.stage_passes(shape, c, b, seq, dense, moe, embed=first, head=last)
-    return found
+    key = _work.compute_key(shape, c, b, seq, dense, moe, first, last)
+    make = lambda: _work.stage_passes(shape, c, b, seq, dense, moe, embed=first, head=last)  # noqa: E731
+    return _work.remembered(_PASSES, key, make, 1 << 16)
 
 
 def _optimizer(params: tuple[float, float], c: StepConfig) -> Compute:

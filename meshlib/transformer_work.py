@@ -237,12 +237,22 @@ _LAYER_PASSES: dict = {}
 
 def _layer_passes(shape, c, b: int, seq: int, moe: bool) -> Passes:
     """One layer's passes, computed once per set of the fields they read (`COMPUTE_FIELDS`)."""
-    key = (shape, *(getattr(c, f) for f in COMPUTE_FIELDS), b, seq, moe)
-    found = _LAYER_PASSES.get(key)
+    key = compute_key(shape, c, b, seq, moe)
+    return remembered(_LAYER_PASSES, key, lambda: _passes(_layer(shape, c, b, seq, moe), c), 1 << 14)
+
+
+def compute_key(shape, c, *rest) -> tuple:
+    """What a stage's or a layer's passes depend on: the shape, `c`'s `COMPUTE_FIELDS`, and `rest`."""
+    return (shape, *(getattr(c, f) for f in COMPUTE_FIELDS), *rest)
+
+
+def remembered(store: dict, key, make, limit: int):
+    """`store[key]`, made by `make()` the first time; `store` emptied once it holds more than `limit`."""
+    found = store.get(key)
     if found is None:
-        if len(_LAYER_PASSES) > 1 << 14:
-            _LAYER_PASSES.clear()
-        found = _LAYER_PASSES[key] = _passes(_layer(shape, c, b, seq, moe), c)
+        if len(store) > limit:
+            store.clear()
+        found = store[key] = make()
     return found
 
 

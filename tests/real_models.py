@@ -38,12 +38,13 @@ def _quiet_transformers():
 
 
 # -- transformers' GPT-2 -----------------------------------------------------------------------
-def build_gpt2(dtype=torch.float32, vocab: int = VOCAB) -> nn.Module:
+def build_gpt2(dtype=torch.float32, vocab: int = VOCAB, **sizes) -> nn.Module:
+    """transformers' GPT-2 at this file's small size, `sizes` (GPT2Config fields) on top; no dropout."""
     tf = _quiet_transformers()
-    cfg = tf.GPT2Config(
-        vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+    cfg = tf.GPT2Config(**{
+        "n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 4, **sizes, "vocab_size": vocab,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0,
+    })  # fmt: skip
     torch.manual_seed(0)
     return tf.GPT2LMHeadModel(cfg).to(dtype).train()
 
@@ -179,10 +180,10 @@ def rules_opt(mesh: ml.Mesh):
         default=ml.P(),
     )
 
-def hf_batch(step: int, vocab: int = VOCAB) -> dict:
+def hf_batch(step: int, vocab: int = VOCAB, batch: int = BATCH, seq: int = SEQ) -> dict:
     """Keyword inputs, as a Hugging Face training loop passes them."""
     gen = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
     return {"input_ids": ids, "labels": ids.clone()}
 
 

@@ -77,14 +77,14 @@ def compile_model(
     _check_axes_used(compiled, pipe.pp_axis, par.idle_axes)
     _check_fsdp_axes(compiled)
     compiled = dataclasses.replace(compiled, plan=_with_work(compiled.plan, call, m))
-    notes = []
-    if m > 1 and expert_modules(model):
+    notes, moe = [], bool(expert_modules(model))
+    if m > 1 and moe:
         notes.append(("MoE", (
             "routing statistics, and a load-balancing loss computed from them, are each microbatch's (as "
             "Megatron-LM and torchtitan compute them), not the whole batch's as one step over it would; token "
             "counts for a balancing bias add up over the microbatches"
         )))  # fmt: skip
-    if par.capacity_factor is None and expert_modules(model):
+    if par.capacity_factor is None and moe:
         notes.append(("MoE routing", ROUTING_NOTE))
     if notes:
         compiled = dataclasses.replace(compiled, plan=compiled.plan.replace(notes=(*compiled.plan.notes, *notes)))
