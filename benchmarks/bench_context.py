@@ -162,6 +162,58 @@ def overlap(shapes: list, rounds: int) -> str:
     return markdown(title, header, rows, notes)
 
 
+# -- (4) ---------------------------------------------------------------------------------------------------
+def _block_times(heads: int, length: int, dim: int, causal: bool, rounds: int) -> tuple[dict, float]:
+    """{path: (forward s, backward s) per round} of one block on each path, alternated, and the largest
+    difference between their outputs and gradients."""
+    import torch
+
+    from meshlib_torch.attention import local
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, 1, length, dim, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, heads, length, dim, generator=g, requires_grad=True) for _ in range(2))
+    ct = torch.randn(1, heads, 1, length, dim, generator=g)
+    parts = ((0, length, causal),)
+    how = {"fused": (None, parts), "tiles": (local.parts_mask(parts, length, q.device), None)}
+    times, outs = {n: ([], []) for n in how}, {}
+    for r in range(rounds + 1):  # the first round warms up, not counted
+        for name in how if r % 2 else reversed(list(how)):
+            t0 = time.perf_counter()
+            out, _ = local.attend(q, k, v, dim**-0.5, *how[name])
+            t1 = time.perf_counter()
+            grads = torch.autograd.grad((out * ct).sum(), (q, k, v))
+            t2 = time.perf_counter()
+            outs[name] = (out.detach(), *grads)
+            if r:
+                times[name][0].append(t1 - t0)
+                times[name][1].append(t2 - t1)
+    diff = max(float((a - b).abs().max()) for a, b in zip(outs["fused"], outs["tiles"], strict=True))
+    return times, diff
+
+
+def kernels(shapes: list, rounds: int) -> str:
+    """One block of a ring rank, forward then backward (the gradient of out: the ring's backward), in this
+    process: torch's fused CPU kernel (`local.attend` with `parts`) against the same block in eager tiles
+    (`parts_mask`, the path a masked block takes), alternated per round; the median of the per-round ratios."""
+    rows = []
+    for heads, length, dim, causal in shapes:
+        times, diff = _block_times(heads, length, dim, causal, rounds)
+        for phase, i in (("forward", 0), ("backward", 1)):
+            fused, tiles = times["fused"][i], times["tiles"][i]
+            ratio = [t / f for t, f in zip(tiles, fused, strict=True)]
+            rows.append((
+                f"{heads} x {length} x {dim}", "causal (diagonal)" if causal else "all visible", phase,
+                f"{statistics.median(fused) * 1e3:.1f}", f"{statistics.median(tiles) * 1e3:.1f}",
+                f"**{statistics.median(ratio):.1f}** ({_quartiles(ratio)})", f"{diff:.1e}",
+            ))  # fmt: skip
+    header = ("heads x tokens x head dim", "block", "phase", "fused kernel ms", "eager tiles ms",
+              "tiles / fused (quartiles)", "max difference (out, grads)")  # fmt: skip
+    title = (f"(4) one block, fp32, in one process: torch's fused CPU kernel against eager tiles ({rounds} "
+             "rounds, alternated)")
+    return markdown(title, header, rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=8192, help="(1): tokens in the one sequence")
@@ -170,18 +222,21 @@ def main() -> None:
     ap.add_argument("--race-seq", type=int, default=4096, help="(2): tokens in the one sequence")
     ap.add_argument("--race-rounds", type=int, default=6, help="(2): rounds, each timing the three methods")
     ap.add_argument("--overlap-rounds", type=int, default=5, help="(3): rounds, each timing the four variants")
+    ap.add_argument("--kernel-rounds", type=int, default=7, help="(4): rounds, each timing both block paths")
     ap.add_argument("--quick", action="store_true", help="short sequences and 2 rounds of each")
     args = ap.parse_args()
     shapes = [(8, 64, 128), (8, 256, 128), (4, args.seq // CP, 8)]
+    blocks = [(8, 2048, 64, True), (8, 2048, 64, False), (4, args.seq // CP, 8, True)]
     if args.quick:
         args.seq, args.race_seq, args.rounds, args.race_rounds, args.overlap_rounds = 2048, 1024, 2, 2, 2
-        shapes = [(8, 64, 128), (4, 256, 8)]
+        args.kernel_rounds, shapes, blocks = 2, [(8, 64, 128), (4, 256, 8)], [(8, 256, 64, True)]
     start = time.perf_counter()
     print(describe() + "\n")
     tables = []
     for part in (lambda: long_sequence(args.seq, args.rounds, args.steps),
                  lambda: methods(args.race_seq, args.race_rounds, args.steps),
-                 lambda: overlap(shapes, args.overlap_rounds)):  # fmt: skip
+                 lambda: overlap(shapes, args.overlap_rounds),
+                 lambda: kernels(blocks, args.kernel_rounds)):  # fmt: skip
         tables.append(part())
         print(tables[-1] + "\n", flush=True)
     print(f"total {time.perf_counter() - start:.0f} s")

@@ -452,3 +452,74 @@ def test_a_block_keeps_no_scores_and_equals_softmax_attention_in_tiles(monkeypat
     torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
     for got, exp in zip(grads, want_grads):
         torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("parts", [((0, 9, False),), ((0, 9, True),), ((0, 3, False), (3, 6, True))],
+                         ids=["visible", "causal", "visible-then-causal"])  # fmt: skip
+def test_fused_blocks_equal_the_tiles(parts):
+    """`local.attend` with `parts` (torch's fused CPU kernel per part, merged; backward by the kernel's own
+    backward given the row's out and lse) against the same block in eager tiles under the `Mask` the parts
+    stand for, and against softmax written out: fp64, GQA (2 key/value heads, groups of 3), 6 query rows over
+    9 keys (a causal part of 6 keys over 6 rows: aligned). Gradients through out alone take the kernel's
+    backward; through out and lse (the merge's) the tiles: both 1e-12."""
+    from meshlib_torch.attention import local
+
+    g = torch.Generator().manual_seed(3)
+    b, kv, grp, rows, cols, d = 2, 2, 3, 6, 9, 5
+    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+               for s in [(b, kv, grp, rows, d), (b, kv, cols, d), (b, kv, cols, d)])  # fmt: skip
+    ct, cl = torch.randn(b, kv, grp, rows, d, generator=g, dtype=torch.float64), torch.randn(b, kv, grp, rows, 1, generator=g, dtype=torch.float64)  # noqa: E501
+    allowed = torch.ones(rows, cols, dtype=torch.bool)
+    for c0, m, causal in parts:
+        if causal:
+            allowed[:, c0 : c0 + m] = torch.ones(rows, m, dtype=torch.bool).tril()
+    s = (torch.einsum("bhgrd,bhcd->bhgrc", q, k) * 0.4).masked_fill(~allowed, float("-inf"))
+    want = torch.einsum("bhgrc,bhcd->bhgrd", torch.softmax(s, -1), v), torch.logsumexp(s, -1, keepdim=True)
+    for weight in (0.0, 1.0):  # the gradient of lse: none, or cl
+        loss = lambda out, lse, w=weight: (out * ct).sum() + ((lse * cl).sum() * w if w else 0)  # noqa: E731
+        fused = local.attend(q, k, v, 0.4, None, parts)
+        tiles = local.attend(q, k, v, 0.4, local.parts_mask(parts, rows, q.device))
+        for got in (fused, tiles):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            got_grads = torch.autograd.grad(loss(*got), (q, k, v))
+            want_grads = torch.autograd.grad(loss(*want), (q, k, v), retain_graph=True)
+            for a, e in zip(got_grads, want_grads):
+                torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+def _flash_calls(fn, **kw) -> dict:
+    """Calls of CPU's fused attention kernel (forward, backward) in a dry run of `fn` and its backward (cp=4:
+    rank 3)."""
+    from meshlib_torch.torch_private import TorchDispatchMode
+
+    aten = torch.ops.aten
+    names = {aten._scaled_dot_product_flash_attention_for_cpu.default: "forward",
+             aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "backward"}  # fmt: skip
+    calls = {"forward": 0, "backward": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in names:
+                calls[names[func]] += 1
+            return func(*args, **(kwargs or {}))
+
+    length = S // 4
+    with Count():
+        _dry(fn, shapes=[(B, HQ, length, D), (B, 2, length, D), (B, 2, length, D)], **kw)
+    return calls
+
+
+def test_unmasked_and_aligned_causal_blocks_run_the_fused_kernel():
+    """Zigzag, causal, cp=4, on the dry run's rank 3 (chunks 3 and 4 of 8). Chunk 3 sees chunk s of each
+    other rank s < 3 whole (3 calls) and itself causally (1); chunk 4 sees chunk s < 3 whole (3) and, on its
+    own rank, chunk 3 whole and itself causally (2): 9 kernel calls forward, 9 backward (the ring's and the
+    all-gather's, which compute the same blocks). With documents every block is masked by them: no call,
+    the tiles run."""
+    from meshlib.tree import ShapeDtype
+    from meshlib_torch.attention import allgather_attention, ring_attention
+
+    for fn in (ring_attention, allgather_attention):
+        assert _flash_calls(fn, causal=True, layout="zigzag") == {"forward": 9, "backward": 9}
+    docs = (P(None, "cp"), ShapeDtype((B, S // 4), "int64"))  # one rank's shard
+    calls = _flash_calls(ring_attention, causal=True, layout="zigzag", names=["doc_ids"], extra=[docs])
+    assert calls == {"forward": 0, "backward": 0}

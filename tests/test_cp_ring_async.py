@@ -2,7 +2,7 @@
 
 Method: `ring_attention` (cp=4, full attention, contiguous layout: one block per hop) runs on real gloo ranks
 with its events logged in order on each rank, not timed: a hop begun (`EagerBackend.permute_start`), a hop
-waited for (`InFlight.wait`) and a block computed (`local.attend` forward, `local.grads` backward). Forward,
+waited for (`InFlight.wait`) and a block computed (`local.attend` forward, `local.shard_grads` backward). Forward,
 every hop must be begun before a block and waited for after it. Backward, the keys and values go around the
 ring again with their gradient: each K/V hop is begun before a block and waited for after it, and each
 gradient hop begun after a block is waited for after the next one. `lax.ppermute_start`
@@ -31,7 +31,7 @@ def logged_ring_job() -> dict:
     from meshlib_torch.spmd import backend, eager
 
     log: list = []
-    saved = local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait, ring.grads
+    saved = local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait, ring.shard_grads
 
     def attend(*args):  # the shard_map's dry run first (meta tensors) is not logged
         out, lse = saved[0](*args)
@@ -51,7 +51,7 @@ def logged_ring_job() -> dict:
         log.extend([] if out.is_meta else ["wait"])
         return out
 
-    local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait, ring.grads = attend, start, wait, grads
+    local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait, ring.shard_grads = attend, start, wait, grads
     try:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, 2, 16, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
@@ -64,7 +64,7 @@ def logged_ring_job() -> dict:
         y.sum().backward()
         return {"forward": forward, "backward": list(log)}
     finally:
-        local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait, ring.grads = saved
+        local.attend, eager.EagerBackend.permute_start, backend.InFlight.wait, ring.shard_grads = saved
 
 
 def permute_job() -> dict:

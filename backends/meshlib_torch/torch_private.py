@@ -172,6 +172,30 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return _GROUPED_MM(a, b, offs=offs)
 
 
+# CPU's fused attention kernel and its backward, called directly: the public scaled_dot_product_attention
+# neither returns the log-sum-exp that merging blocks of keys needs (ring attention) nor takes the whole row's
+# back for backward. Query head h reads key/value head h // (Hq/Hkv); `is_causal` hides key j from query i
+# when j > i (top-left aligned). Both have meta kernels (the dry run). CUDA's kernels take another
+# signature (a padded log-sum-exp, no float32 flash): not wired, so CUDA runs the eager tiles.
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def has_flash_attention(device: torch.device) -> bool:
+    return device.type in ("cpu", "meta")
+
+
+def flash_attention(q, k, v, causal: bool, scale: float) -> tuple:
+    """(out (B, Hq, L, D), lse (B, Hq, L)) of q (B, Hq, L, D) over k, v (B, Hkv, S, D)."""
+    return _FLASH(q, k, v, 0.0, causal, scale=scale)
+
+
+def flash_attention_grads(grad_out, q, k, v, out, lse, causal: bool, scale: float) -> tuple:
+    """(dq, dk, dv), the probabilities taken as exp(scores - lse) and the softmax's shift as
+    rowsum(grad_out * out): `out` and `lse` may be the whole row's, of which these keys are a part."""
+    return _FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
 def make_wrapper_subclass(cls, shape, *, dtype, device):
     """A tensor subclass instance with no storage of its own (DCP reads the pieces it describes)."""
     return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
@@ -179,8 +203,8 @@ def make_wrapper_subclass(cls, shape, *, dtype, device):
 
 __all__ = [
     "AllGather", "FX_ASSERTS", "FakeTensorMode", "HigherOrderOperator", "OpOverload", "ReduceScatter",
-    "StridedShard", "TorchDispatchMode", "copy_codegen", "flatten_mesh", "group_options", "grouped_mm",
-    "has_grouped_mm", "in_backward", "is_fake",
+    "StridedShard", "TorchDispatchMode", "copy_codegen", "flash_attention", "flash_attention_grads", "flatten_mesh",
+    "group_options", "grouped_mm", "has_flash_attention", "has_grouped_mm", "in_backward", "is_fake",
     "local_tensor", "make_wrapper_subclass", "own_buffers", "own_parameters", "pipeline_keeps_grad_buffers",
     "pytree", "runtime_schedule", "sac_saves_bypass_hooks", "shard_size_and_offsets", "storage_key", "version",
     "view_base",

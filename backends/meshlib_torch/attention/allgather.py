@@ -11,11 +11,13 @@ gradients summed and scattered back to their owners, `all_gather`'s transpose).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .. import lax
-from .inputs import check, rank_of
-from .local import attend_shard, finish
+from .inputs import check, compute_dtype, rank_of, split_heads
+from .local import attend_shard, finish, shard_grads
 from .ring import padded, shard_problem
 
 __all__ = ["allgather_attention"]
@@ -33,9 +35,37 @@ def allgather_attention(
     p = shard_problem(q, k, shards, rank, causal, mask, doc_ids, scale, axis)
     kv = padded(torch.stack([k, v]), shards.local)
     kv = lax.all_gather(kv, axis, axis=3, tiled=True)  # (2, B, Hkv, cp * local, D), rank 0's block first
-    n, length = shards.cp, shards.local
-    acc = [None] * len(shards.starts(p.rank))
-    for step in range(n):
-        src = (p.rank - step) % n
-        attend_shard(p, acc, kv[:, :, :, src * length : (src + 1) * length], src)
-    return finish(p, acc, q.dtype)
+    return _Gathered.apply(q, kv, replace(p, q=None))
+
+
+class _Gathered(torch.autograd.Function):
+    """This rank's queries over the gathered keys and values, shard by shard in the ring's order, keeping
+    q, the gathered kv, the output and the rows' log-sum-exp; backward takes each block's share from the
+    rows' final out and lse (`local.shard_grads`, as the ring's backward does), and the gathered gradient
+    goes back to its owners through `lax.all_gather`'s transpose."""
+
+    @staticmethod
+    def forward(ctx, q, kv, p):
+        p = replace(p, q=split_heads(q, kv.shape[2]).to(compute_dtype(q.dtype)))
+        n, length = p.shards.cp, p.shards.local
+        acc = [None] * len(p.shards.starts(p.rank))
+        for step in range(n):
+            src = (p.rank - step) % n
+            attend_shard(p, acc, kv[:, :, :, src * length : (src + 1) * length], src)
+        out = finish(p, acc, q.dtype)
+        ctx.save_for_backward(q, kv, out, torch.cat([lse for _, lse in acc], dim=3))
+        ctx.p = replace(p, q=None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kv, out, lse = ctx.saved_tensors
+        hkv, dtype = kv.shape[2], lse.dtype
+        p = replace(ctx.p, q=split_heads(q, hkv).to(dtype))
+        n, length = p.shards.cp, p.shards.local
+        grad_q, grad_kv = torch.zeros_like(p.q), torch.zeros(kv.shape, dtype=dtype, device=kv.device)
+        out5, grad5 = split_heads(out, hkv).to(dtype), split_heads(grad_out, hkv).to(dtype)
+        for src in range(n):
+            cols = slice(src * length, (src + 1) * length)
+            shard_grads(p, kv[:, :, :, cols], src, out5, lse, grad5, grad_q, grad_kv[:, :, :, cols])
+        return grad_q.view(q.shape).to(q.dtype), grad_kv.to(kv.dtype), None

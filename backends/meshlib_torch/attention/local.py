@@ -19,7 +19,13 @@ matmul of (G*rows, D) by (D, cols): the key/value heads are never repeated.
 
 `attend_shard` is the step every ring and all-gather variant repeats: this rank's query chunks against the
 key chunks of one source shard, skipping each (query chunk, key chunk) pair a causal mask hides entirely
-(decided from positions on the host), and counting what it computes in `flops.SCORES`.
+(decided from positions on the host), and counting what it computes in `flops.SCORES`; `shard_grads` is its
+backward, from the rows' final out and lse.
+
+Kernels: a block whose key chunks are each all visible or the query chunk itself under a causal mask (its
+`Parts`, decided on the host) runs torch's fused attention kernel once per part, forward and backward (the
+backward given the whole row's out and lse computes this block's share exactly); documents and the caller's
+masks run the eager tiles, which take any mask. CPU has the kernel (and the meta device, for dry runs).
 """
 
 from __future__ import annotations
@@ -28,27 +34,80 @@ from dataclasses import dataclass
 
 import torch
 
+from ..modules.recompute import blocks_recomputed
 from ..modules.repeat import standing_for
+from ..torch_private import flash_attention, flash_attention_grads, has_flash_attention
 from .flops import SCORES
 from .inputs import Problem
 
-__all__ = ["Mask", "Piece", "attend", "attend_shard", "block", "block_mask", "finish", "grads", "merge", "pieces"]
+__all__ = [
+    "Mask", "Parts", "Piece", "attend", "attend_shard", "block", "block_mask", "finish", "grads", "merge", "pieces",
+    "parts_mask", "shard_grads",
+]  # fmt: skip
 
 _NEG = float("-inf")
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask | None = None) -> tuple:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask | None = None,
+           parts: Parts | None = None) -> tuple:  # fmt: skip
     """(out, lse) of queries q (B, Hkv, G, rows, D) over keys k and values v (B, Hkv, cols, D), in q's
     dtype, the scores hidden or shifted as `mask` says. out is (B, Hkv, G, rows, D), lse (B, Hkv, G, rows, 1).
 
-    Memory: scores, and the boolean masks that hide them, exist only for a tile of query rows at a time
-    (`_tiles`), forward and backward; backward computes them again from q, k, v, the block's out and lse and
-    `mask`'s positions and documents (`_Block`, flash attention's recomputation), so what a rank keeps for
-    backward grows with its tokens, not with (S/cp) x S."""
+    `parts`, where the block is unmasked or causal in aligned pieces (`Parts`, which then says all that
+    `mask` does), runs torch's fused kernel per part on the devices that have it (`torch_private.
+    flash_attention`), merged by `merge`. Otherwise, and for documents and the caller's masks: scores, and
+    the boolean masks that hide them, exist only for a tile of query rows at a time (`_tiles`), forward and
+    backward; backward computes them again from q, k, v, the block's out and lse and `mask`'s positions and
+    documents (`_Block`, flash attention's recomputation), so what a rank keeps for backward grows with its
+    tokens, not with (S/cp) x S."""
     k, v = k.to(q.dtype), v.to(q.dtype)
+    if parts is not None and not has_flash_attention(q.device):  # the tiles, masked as the parts say
+        mask, parts = (parts_mask(parts, q.shape[3], q.device) if mask is None else mask), None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _Block.apply(q, k, v, scale, mask)
-    return _forward(q, k, v, scale, mask)
+        return _Block.apply(q, k, v, scale, mask, parts)
+    return _forward(q, k, v, scale, mask, parts)
+
+
+Parts = tuple  # ((c0, m, causal), ...): key columns [c0, c0 + m) of a block, all visible or causal (key j of
+# the part hidden from query row i when j > i); together the block's columns a mask may show
+
+
+def parts_mask(parts: Parts, rows: int, device) -> Mask:
+    """The `Mask` that says what `parts` do, for the tiles: query i at position i, a causal part's key j at j
+    (hidden when j > i), every other key at -1 (seen by all)."""
+    k_pos = [torch.arange(m, device=device) if causal else torch.full((m,), -1, device=device)
+             for _, m, causal in parts]  # fmt: skip
+    return Mask(q_pos=torch.arange(rows, device=device), k_pos=torch.cat(k_pos))
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, G, rows, D) -> (B, Hq, rows, D), a view: query head j*G + g reads key/value head j."""
+    b, kv_heads, group, rows, d = x.shape
+    return x.reshape(b, kv_heads * group, rows, d)
+
+
+def _fused_forward(q, k, v, scale: float, parts: Parts) -> tuple:
+    """(out, lse) of one block, a fused kernel call per part, merged."""
+    acc = None
+    for c0, m, causal in parts:
+        out, lse = flash_attention(_heads(q), k[:, :, c0 : c0 + m], v[:, :, c0 : c0 + m], causal, scale)
+        piece = out.view(q.shape[:-1] + (v.shape[-1],)), lse.to(q.dtype).contiguous().view(q.shape[:-1] + (1,))
+        acc = piece if acc is None else merge(acc, piece)
+    return acc
+
+
+def _fused_grads(q, k, v, out, lse, grad_out, scale: float, parts: Parts) -> tuple:
+    """`grads` (no gradient of lse) by the fused kernel's backward, a call per part."""
+    grad_q, grad_k, grad_v = None, torch.zeros_like(k), torch.zeros_like(v)
+    q4, out4, go4 = _heads(q), _heads(out), _heads(grad_out.to(q.dtype))
+    lse3 = _heads(lse).squeeze(-1)
+    for c0, m, causal in parts:
+        cols = slice(c0, c0 + m)
+        dq, dk, dv = flash_attention_grads(go4, q4, k[:, :, cols], v[:, :, cols], out4, lse3, causal, scale)
+        grad_q = dq if grad_q is None else grad_q + dq
+        grad_k[:, :, cols] += dk
+        grad_v[:, :, cols] += dv
+    return grad_q.view(q.shape), grad_k, grad_v
 
 
 @dataclass(frozen=True)
@@ -112,8 +171,11 @@ def _scores(q, k, scale: float, mask: Mask | None, r0: int, r1: int) -> torch.Te
     return s if allowed is None else s.masked_fill(~allowed, _NEG)
 
 
-def _forward(q, k, v, scale: float, mask: Mask | None) -> tuple:
-    """(out, lse) of one block, tile by tile of query rows, each from its scores with their row max subtracted."""
+def _forward(q, k, v, scale: float, mask: Mask | None, parts: Parts | None = None) -> tuple:
+    """(out, lse) of one block: by the fused kernel (`parts`), or tile by tile of query rows, each from its
+    scores with their row max subtracted."""
+    if parts is not None:
+        return _fused_forward(q, k, v, scale, parts)
     outs, lses = [], []
     for r0, r1, n in _stepped(q, k.shape[-2]):
         with standing_for(n):
@@ -142,25 +204,30 @@ class _Block(torch.autograd.Function):
     tile by tile of query rows (dK and dV summed over the tiles)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, mask):
-        out, lse = _forward(q, k, v, scale, mask)
+    def forward(ctx, q, k, v, scale, mask, parts):
+        out, lse = _forward(q, k, v, scale, mask, parts)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.mask = scale, mask
+        ctx.scale, ctx.mask, ctx.parts = scale, mask, parts
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-        return (*grads(q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.mask), None, None)
+        return (*grads(q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.mask, ctx.parts), None, None, None)
 
 
-def grads(q, k, v, out, lse, grad_out, grad_lse, scale: float, mask: Mask | None) -> tuple:
+def grads(q, k, v, out, lse, grad_out, grad_lse, scale: float, mask: Mask | None, parts: Parts | None = None) -> tuple:
     """(dQ, dK, dV) of a block of queries q (B, Hkv, G, rows, D) over keys k and values v (B, Hkv, cols, D),
     given `out` and `lse` (the block's, or the whole row's: then the probabilities are the row's share of
     this block, and `grad_lse` is None), the gradient `grad_out` of out, and `grad_lse` of lse (or None).
-    Scores are computed again a tile of query rows at a time (`_Block`'s formulas)."""
+    By the fused kernel's backward where `parts` says the block's masking (and no gradient of lse comes),
+    else with scores computed again a tile of query rows at a time (`_Block`'s formulas)."""
     k, v = k.to(q.dtype), v.to(q.dtype)
+    if parts is not None and grad_lse is None and has_flash_attention(q.device):
+        return _fused_grads(q, k, v, out, lse, grad_out, scale, parts)
+    if parts is not None and mask is None:
+        mask = parts_mask(parts, q.shape[3], q.device)
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for r0, r1, n in _stepped(q, k.shape[-2]):
         with standing_for(n):
@@ -208,26 +275,30 @@ def block_mask(p: Problem, rows: tuple[int, int], cols: tuple[int, int], positio
     return Mask(q_pos, k_pos, *docs, user)
 
 
-def block(p: Problem, rows: tuple[int, int], k, v, cols: tuple[int, int], positions, *, pairs: int) -> tuple:
+def block(p: Problem, rows: tuple[int, int], k, v, cols: tuple[int, int], positions, *, pairs: int,
+          parts: Parts | None = None) -> tuple:  # fmt: skip
     """(out, lse) of the query rows [r0, r0 + n) of `p` over keys k and values v (B, Hkv, m, D), the key
-    columns [c0, c0 + m) of the masks (`block_mask`). `pairs`: the (query chunk, key chunk) pairs it is,
-    for `SCORES`."""
+    columns [c0, c0 + m) of the masks (`block_mask`; `parts` where they are unmasked or causal in aligned
+    parts, `attend`). `pairs`: the (query chunk, key chunk) pairs it is, for `SCORES`."""
     r0, n = rows
     SCORES.note(p.q, p.heads, n, cols[1], pairs)
-    return attend(p.q[:, :, :, r0 : r0 + n], k, v, p.scale, block_mask(p, rows, cols, positions))
+    return attend(p.q[:, :, :, r0 : r0 + n], k, v, p.scale, block_mask(p, rows, cols, positions), parts)
 
 
 @dataclass(frozen=True, slots=True)
 class Piece:
     """One block of `attend_shard`: query chunk `chunk` of this rank (rows [r0, r0 + n) of its queries)
     against the first `keys` tokens of the source shard, key columns [c0, c0 + keys) of the masks;
-    `positions` when a causal mask cuts it; `pairs` (query chunk, key chunk) pairs, for `SCORES`."""
+    `positions` when a causal mask cuts it; `pairs` (query chunk, key chunk) pairs, for `SCORES`; `parts`
+    when no documents nor caller's mask apply and each key chunk is all visible or the query chunk itself
+    (`attend`'s fused kernel), else None."""
 
     chunk: int
     rows: tuple[int, int]
     cols: tuple[int, int]
     positions: tuple | None
     pairs: int
+    parts: Parts | None
 
 
 def pieces(p: Problem, src: int) -> list[Piece]:
@@ -246,9 +317,27 @@ def pieces(p: Problem, src: int) -> list[Piece]:
             device = p.q.device
             positions = (sh.positions([q0], device), sh.positions(k_starts[:n], device)) if cuts else None
             cols = sum(sh.chunk_len(s) for s in k_starts[:n])
-            out.append(Piece(a, (row, rows), (src * sh.local, cols), positions, n))
+            parts = _parts(sh, q0, k_starts[:n], p.causal) if p.doc_q is None and p.mask is None else None
+            out.append(Piece(a, (row, rows), (src * sh.local, cols), positions, n, parts))
         row += rows
     return out
+
+
+def _parts(sh, q0: int, k_starts, causal: bool) -> Parts | None:
+    """The `Parts` of query chunk `q0` against key chunks `k_starts` (ascending): each all visible (it ends
+    by the query chunk's start) or the query chunk itself (causal, aligned); None if one is neither."""
+    parts, col = [], 0
+    for s in k_starts:
+        m = sh.chunk_len(s)
+        hidden_some = causal and s + m - 1 > q0
+        if hidden_some and s != q0:
+            return None
+        if parts and not hidden_some and not parts[-1][2]:
+            parts[-1] = (parts[-1][0], parts[-1][1] + m, False)  # visible chunks side by side: one call
+        else:
+            parts.append((col, m, hidden_some))
+        col += m
+    return tuple(parts)
 
 
 def attend_shard(p: Problem, acc: list, kv: torch.Tensor, src: int) -> bool:
@@ -258,9 +347,26 @@ def attend_shard(p: Problem, acc: list, kv: torch.Tensor, src: int) -> bool:
     blocks = pieces(p, src)
     for b in blocks:
         m = b.cols[1]
-        piece = block(p, b.rows, kv[0, :, :, :m], kv[1, :, :, :m], b.cols, b.positions, pairs=b.pairs)
+        with blocks_recomputed():
+            piece = block(p, b.rows, kv[0, :, :, :m], kv[1, :, :, :m], b.cols, b.positions, pairs=b.pairs,
+                          parts=b.parts)  # fmt: skip
         acc[b.chunk] = piece if acc[b.chunk] is None else merge(acc[b.chunk], piece)
     return bool(blocks)
+
+
+def shard_grads(p: Problem, kv, src: int, out, lse, grad_out, grad_q, grad_kv) -> None:
+    """Backward of `attend_shard` for source rank `src`'s keys and values kv (2, B, Hkv, L, D), from the
+    rows' final out and lse (B, Hkv, G, rows, D / 1) and the gradient of out: each block's share of dQ added
+    to `grad_q` (like p.q), of dK and dV to `grad_kv` (like kv, in the compute dtype)."""
+    for b in pieces(p, src):
+        (r0, rows), m = b.rows, b.cols[1]
+        t = slice(r0, r0 + rows)
+        mask = block_mask(p, b.rows, b.cols, b.positions)
+        dq, dk, dv = grads(p.q[:, :, :, t], kv[0, :, :, :m], kv[1, :, :, :m], out[:, :, :, t], lse[:, :, :, t],
+                           grad_out[:, :, :, t], None, p.scale, mask, b.parts)  # fmt: skip
+        grad_q[:, :, :, t] += dq
+        grad_kv[0, :, :, :m] += dk
+        grad_kv[1, :, :, :m] += dv
 
 
 def finish(p: Problem, acc: list, dtype: torch.dtype) -> torch.Tensor:

@@ -33,7 +33,7 @@ from .. import lax
 from ..spmd.records import Call
 from ..spmd.region import Axes, current, user_line
 from .inputs import Problem, check, compute_dtype, default_scale, mask5, rank_of, split_heads
-from .local import attend_shard, block_mask, finish, grads, pieces
+from .local import attend_shard, finish, shard_grads
 from .zigzag import Shards
 
 __all__ = ["gathered_docs", "ring_attention", "shard_problem"]
@@ -128,15 +128,7 @@ class _Ring(torch.autograd.Function):
             if step < n - 2:
                 kv_hop = ctx.back.start(kv)  # rank r-1 attends to it next
             part = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
-            for b in pieces(p, (p.rank + 1 + step) % n):
-                (r0, rows), m = b.rows, b.cols[1]
-                mask = block_mask(p, b.rows, b.cols, b.positions)
-                t = slice(r0, r0 + rows)
-                dq, dk, dv = grads(p.q[:, :, :, t], kv[0, :, :, :m], kv[1, :, :, :m], out5[:, :, :, t],
-                                   lse[:, :, :, t], grad5[:, :, :, t], None, p.scale, mask)  # fmt: skip
-                grad_q[:, :, :, t] += dq
-                part[0, :, :, :m] += dk
-                part[1, :, :, :m] += dv
+            shard_grads(p, kv, (p.rank + 1 + step) % n, out5, lse, grad5, grad_q, part)
             if step:
                 part += grad_hop.wait()
             if step < n - 1:

@@ -47,7 +47,10 @@ def ulysses_attention(
     )  # fmt: skip
     seq, pos = cp * shards.local, shards.everyone(q.device)
     parts = cp * len(shards.starts(rank))  # the layout's chunks in the sequence, for SCORES' unit
-    out, _ = block(p, (0, seq), kv_all[0], kv_all[1], (0, seq), (pos, pos) if causal else None, pairs=parts * parts)
+    # one fused kernel call where the gathered sequence is in order, or no causal mask reads it
+    plain = p.mask is None and docs is None and (layout == "contiguous" or not causal)
+    out, _ = block(p, (0, seq), kv_all[0], kv_all[1], (0, seq), (pos, pos) if causal else None, pairs=parts * parts,
+                   parts=((0, seq, causal),) if plain else None)  # fmt: skip
     b, kv_heads, group, _, d = out.shape
     return lax.all_to_all(out.reshape(b, kv_heads * group, seq, d).to(q.dtype), axis, 2, 1, tiled=True)
 

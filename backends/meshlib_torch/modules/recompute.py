@@ -47,7 +47,20 @@ _KEEP = {
 
 
 def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in _KEEP and not _STATE.blocks
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextlib.contextmanager
+def blocks_recomputed():
+    """Attention kernels called under it compute blocks of a context-parallel attention (one per shard of
+    keys, merged after): selective recompute runs them again rather than keep each block's output, as it
+    does the scores of attention written with matmuls (keeping them would hold cp outputs per layer)."""
+    saved, _STATE.blocks = _STATE.blocks, True
+    try:
+        yield
+    finally:
+        _STATE.blocks = saved
 
 
 class _State(threading.local):
@@ -57,6 +70,7 @@ class _State(threading.local):
     def __init__(self):
         self.cache: dict | None = None
         self.replay = False
+        self.blocks = False
 
 
 _STATE = _State()
@@ -266,4 +280,6 @@ def keep_shards(module: nn.Module) -> nn.Module:
 
 
 __all__ = [
-    "Remat", "Recompute", "comm_forward", "gathers", "keeping_shards", "keep_shards", "kept", "note_gathered"]
+    "Remat", "Recompute", "blocks_recomputed", "comm_forward", "gathers", "keeping_shards", "keep_shards", "kept",
+    "note_gathered",
+]
