@@ -37,7 +37,7 @@ from machine import describe
 from meshlib import Mesh, device_profile, predict_plan
 from meshlib.planner import search
 from meshlib.transformer import ModelShape
-from meshlib_torch import compile_model, data, models
+from meshlib_torch import compile_model, data, models, torch_runtime
 from meshlib_torch.testing.pool import get_pool
 
 MiB, GiB = 2**20, 2**30
@@ -242,7 +242,8 @@ def bench_scale() -> None:
     for name, devices, batch, seq in (("llama-405b", 16384, 2048, 8192), ("deepseek-v3", 2048, 4096, 4096)):
         model = models.build(name)
         t0 = time.perf_counter()
-        found = search(model_shape(model), devices=devices, batch=batch, seq=seq, profile="h100", top=5)
+        found = search(model_shape(model), devices=devices, batch=batch, seq=seq, profile="h100", top=5,
+                       runtime=torch_runtime())
         t1 = time.perf_counter()
         best = found[0]
         cfg = models.config(name)

@@ -110,7 +110,7 @@ def _stage(plan: Plan, r: int, m: int) -> StageWork:
         else:
             overlap = "compute" if c.op.startswith("lax.ppermute") else "none"
             per.append(Comm(c.kind, c.axes, c.bytes, c.phase, c.count / m, overlap))
-    sends = [sum(b.bytes for b in s.sends) for s in plan.stages if s.rank == r]
+    sends = [_sent(plan, s) for s in plan.stages if s.rank == r]
     backward = work.backward if work.weight is None else work.backward + work.weight
     mem = plan.rank_memory(r if staged else None)
     return StageWork(
@@ -118,3 +118,12 @@ def _stage(plan: Plan, r: int, m: int) -> StageWork:
         send=max(sends, default=0.0), step_comm=tuple(_per_unit(step, units)), optimizer=work.optimizer or Compute(),
         memory=mem.peak if mem is not None else 0,
     )  # fmt: skip
+
+
+def _sent(plan, stage) -> float:
+    """Bytes `stage` sends its neighbours per microbatch, the larger way: its activations forward, or the
+    gradient of what it received backward (the last stage sends only that)."""
+    ahead = sum(b.bytes for b in stage.sends)
+    before = [s for s in plan.stages if s.index == stage.index - 1]
+    back = sum(b.bytes for b in before[0].sends if b.grad) if before else 0
+    return float(max(ahead, back))

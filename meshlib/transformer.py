@@ -214,7 +214,11 @@ class StepConfig:
     - `async_p2p`: pipeline sends run behind compute (Llama 3, torch.distributed.pipelining); False: every
       exchange between stages is waited for by both ranks (Megatron-LM 2021-22 synchronizes after each),
       and without sequence parallelism the receiver all-gathers the message over tp (Megatron's
-      scatter-gather optimization).
+      scatter-gather optimization);
+    - `recv_buffers`: buffers a pipeline stage receives into, made for every microbatch when the schedule
+      is set up and kept through the step: 0 (Megatron allocates each as it receives), 1 (each stage's
+      input: torch.distributed.pipelining), 2 (its output's gradient too: torch 2.13, which later releases
+      allocate at each receive).
     """
 
     dp: int
@@ -237,11 +241,13 @@ class StepConfig:
     fused_accumulation: bool = True
     fused_elementwise: bool = True
     async_p2p: bool = True
+    recv_buffers: int = 0
 
     def __post_init__(self):
         problems = _positive(self, ("dp", "tp", "pp", "ep", "cp", "microbatch", "chunks"))
         choices = {"recompute": RECOMPUTE_MODES, "cp_method": CP_METHODS, "tp_overlap": TP_OVERLAPS,
-                   "dtype": tuple(ITEMSIZE), "reduce_dtype": tuple(ITEMSIZE), "zero": (0, 1, 2, 3)}  # fmt: skip
+                   "dtype": tuple(ITEMSIZE), "reduce_dtype": tuple(ITEMSIZE), "zero": (0, 1, 2, 3),
+                   "recv_buffers": (0, 1, 2)}  # fmt: skip
         problems += [f"{k}={getattr(self, k)!r}: use one of {v}" for k, v in choices.items()
                      if getattr(self, k) not in v]  # fmt: skip
         if self.sp and self.tp == 1:
@@ -381,7 +387,30 @@ def _stage(shape: ModelShape, c: StepConfig, seq: int, m: int, rank: int, chunks
     waiting for W) at their peak (`_stage_of`: alike stages computed once, whatever they hold)."""
     work, state, act, residue, head = _stage_of(shape, c, seq, m, rank == 0, rank == c.pp - 1, chunks)
     full, waiting = peak
-    return replace(work, memory=int(state + act * full + residue * waiting + head))
+    received = _received(shape, c, seq, m, rank, len(chunks))
+    return replace(work, memory=int(state + act * full + residue * waiting + head + received
+                                    + _weight_pass(shape, c, chunks)))  # fmt: skip
+
+
+def _weight_pass(shape: ModelShape, c: StepConfig, chunks: tuple) -> float:
+    """What a weight-gradient action (W) makes at once where backward is split: torch's pipelining computes
+    a chunk's weight gradients in one `autograd.grad` call, all of them alive until it hands them on (in
+    the compute dtype; the largest chunk of the rank's)."""
+    if c.pp == 1 or not splits_backward(resolve_schedule(c.schedule, c.chunks)[0]):
+        return 0.0
+    grads = max(sum(_work.stage_params(shape, c, d, x, embed=False, head=False)) for d, x in chunks)
+    return ITEMSIZE[c.dtype] * grads
+
+
+def _received(shape: ModelShape, c: StepConfig, seq: int, m: int, rank: int, v: int) -> float:
+    """The bytes pipeline rank `rank`, holding `v` stages, keeps in receive buffers (`recv_buffers`): per
+    microbatch, each stage's input but the first stage's, and each stage's output gradient but the last's
+    (on rank 0 where the stages run down and back up, a V)."""
+    if c.pp == 1 or not c.recv_buffers:
+        return 0.0
+    last = 0 if resolve_schedule(c.schedule, c.chunks)[0] == "zbv" else c.pp - 1
+    buffers = v - (rank == 0) + (v - (rank == last) if c.recv_buffers > 1 else 0)
+    return m * buffers * _comm.send_bytes(shape, c, c.microbatch * seq // c.cp)
 
 
 @functools.lru_cache(maxsize=1 << 17)

@@ -106,9 +106,10 @@ def _p2p(shape, c, n: int, v: int) -> list[Comm]:
 
 
 def send_bytes(shape, c, n: int) -> float:
-    """Activation bytes a stage sends on per microbatch: n·h, split over tp (sequence parallelism, or
-    Megatron's scatter-gather of the message across the tensor-parallel ranks)."""
-    return ITEMSIZE[c.dtype] * n * shape.hidden / c.tp
+    """Activation bytes a stage sends on per microbatch: n·h, split over tp under sequence parallelism or
+    where Megatron scatter-gathers the message across the tensor-parallel ranks (`async_p2p` False); else
+    whole (torch's pipelining sends the replicated hidden state)."""
+    return ITEMSIZE[c.dtype] * n * shape.hidden / (c.tp if c.sp or not c.async_p2p else 1)
 
 
 def _axes(c, *names: str) -> tuple[str, ...]:

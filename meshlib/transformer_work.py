@@ -28,7 +28,8 @@ Per layer and microbatch, with n = b·s/cp tokens on the rank, t = tp, e bytes p
   gradient (I) runs before its weight gradient (W). torch's pipelining runs I with the graph retained
   (`stage_backward_input`) and captures the gradients reaching the weights' ops, so until W the chunk
   keeps its activations and, per layer, the gradient of every weight's output (the products' and the
-  norms').
+  norms'), and under sequence parallelism the attention's and the MLP's all-gathered inputs, which I gathers
+  again (meshlib keeps them as shards between forward and backward) and W reads.
 """
 
 from __future__ import annotations
@@ -319,7 +320,10 @@ def _residue(shape, c, b: int, seq: int, moe: bool) -> float:
     q, k, v, _ = widths(shape, t)
     width = (shape.moe_ffn * shape.top_k + shape.moe_ffn * shape.shared_experts) if moe else shape.ffn
     up = (2 if shape.gated else 1) * width / t
-    return e * (2 * rows * h + n * (q + k + v) + n * h + n * up + n * h)  # norms', QKV, out, up (and gate), down
+    # under sequence parallelism the attention's and the MLP's inputs are all-gathered values, kept as shards
+    # and gathered again when backward unpacks them: I does, for the input gradient, and they stay for W
+    gathered = 2 * n * h if c.sp else 0.0
+    return e * (2 * rows * h + n * (q + k + v) + n * h + n * up + n * h + gathered)  # norms', QKV, out, up, down
 
 
 def head_activation(shape, c, n: int) -> float:

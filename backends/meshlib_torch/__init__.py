@@ -21,7 +21,7 @@ from . import cli, lax  # noqa: E402,F401  (the `meshlib` command finds cli here
 from .compiler.compile import compile_model
 from .compiler.program import Compiled
 from .memtrack import PeakTracker
-from .planner import auto_plans, compile_candidate, model_shape, parallelize_call, run_command
+from .planner import auto_plans, compile_candidate, model_shape, parallelize_call, run_command, torch_runtime
 from .runtime import checkpoint
 from .runtime.comm import COUNTER, CommCounter
 from .runtime.hub import export
@@ -33,5 +33,5 @@ from .spmd.shard_map import shard_map
 __all__ = [
     "COUNTER", "CommCounter", "Compiled", "LossScaler", "MeshAdamW", "MeshOptimizer", "Parallel", "PeakTracker",
     "auto_plans", "checkpoint", "compile_candidate", "compile_model", "export", "lax", "model_shape", "parallelize",
-    "parallelize_call", "run_command", "shard_map",
+    "parallelize_call", "run_command", "shard_map", "torch_runtime",
 ]  # fmt: skip

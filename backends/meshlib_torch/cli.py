@@ -137,7 +137,7 @@ def auto_main(args) -> Plan:
     """`meshlib plan --auto`: the search's best plans, why, the best one's full plan and how to run it."""
     from meshlib.planner import search
 
-    from .planner import compile_candidate, model_shape, parallelize_call, run_command
+    from .planner import compile_candidate, model_shape, parallelize_call, run_command, torch_runtime
 
     if not args.profile:
         raise ValueError("--auto predicts step times on some devices: give --profile a100|h100|cpu|FILE.json")
@@ -146,7 +146,8 @@ def auto_main(args) -> Plan:
     seq = _seq(args)
     model = _subject(args, Mesh(dp=1), seq)[0]
     found = search(model_shape(model), devices=devices, batch=args.batch, seq=seq, profile=profile,
-                   device_memory=args.device_memory, top=args.top, dtype=_auto_dtype(args, profile))  # fmt: skip
+                   device_memory=args.device_memory, top=args.top, dtype=_auto_dtype(args, profile),
+                   runtime=torch_runtime())  # fmt: skip
     show(_candidates_table(found, devices, profile), Table("why this plan", ("", "reason"),
                                                            [(i + 1, w) for i, w in enumerate(found[0].why)]))
     limit = args.device_memory or profile.memory

@@ -19,8 +19,9 @@ from meshlib.planner import Candidate, search
 
 from . import models
 from .model_shapes import model_shape
+from .torch_private import pipeline_keeps_grad_buffers
 
-__all__ = ["auto_plans", "compile_candidate", "model_shape", "parallelize_call", "run_command"]
+__all__ = ["auto_plans", "compile_candidate", "model_shape", "parallelize_call", "run_command", "torch_runtime"]
 
 
 def compile_candidate(
@@ -60,6 +61,12 @@ def _is_rule(rules) -> bool:
     return sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) == 2
 
 
+def torch_runtime() -> dict:
+    """What the installed torch runs differently from `meshlib.planner.MESHLIB_RUNTIME`'s torch 2.13: the
+    receive buffers its pipeline stages keep (`StepConfig.recv_buffers`)."""
+    return {"recv_buffers": 2 if pipeline_keeps_grad_buffers() else 1}
+
+
 def _pipeline(c) -> dict:
     if c.pp == 1:
         return {}
@@ -75,7 +82,7 @@ def auto_plans(
     profile = device_profile(profile)
     shape = model_shape(model)
     found = search(shape, devices=devices, batch=batch, seq=seq, profile=profile, device_memory=device_memory,
-                   dtype=dtype, top=top)  # fmt: skip
+                   dtype=dtype, top=top, runtime=torch_runtime())  # fmt: skip
     if rules is None:
         cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
         if cfg is None or type(cfg) not in {type(c) for c in models.CONFIGS.values()}:
