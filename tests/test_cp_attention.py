@@ -487,7 +487,7 @@ def test_fused_blocks_equal_the_tiles(parts):
                 torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
 
-def _flash_calls(fn, **kw) -> dict:
+def _flash_calls(fn, kv_heads: int = 2, **kw) -> dict:
     """Calls of CPU's fused attention kernel (forward, backward) in a dry run of `fn` and its backward (cp=4:
     rank 3)."""
     from meshlib_torch.torch_private import TorchDispatchMode
@@ -505,7 +505,7 @@ def _flash_calls(fn, **kw) -> dict:
 
     length = S // 4
     with Count():
-        _dry(fn, shapes=[(B, HQ, length, D), (B, 2, length, D), (B, 2, length, D)], **kw)
+        _dry(fn, shapes=[(B, HQ, length, D), (B, kv_heads, length, D), (B, kv_heads, length, D)], **kw)
     return calls
 
 
@@ -513,13 +513,14 @@ def test_unmasked_and_aligned_causal_blocks_run_the_fused_kernel():
     """Zigzag, causal, cp=4, on the dry run's rank 3 (chunks 3 and 4 of 8). Chunk 3 sees chunk s of each
     other rank s < 3 whole (3 calls) and itself causally (1); chunk 4 sees chunk s < 3 whole (3) and, on its
     own rank, chunk 3 whole and itself causally (2): 9 kernel calls forward, 9 backward (the ring's and the
-    all-gather's, which compute the same blocks). With documents every block is masked by them: no call,
-    the tiles run."""
+    all-gather's, which compute the same blocks). Ulysses puts the gathered head-tail sequence in token
+    order and makes one call each way. With documents every block is masked by them: no call, the tiles run."""
     from meshlib.tree import ShapeDtype
-    from meshlib_torch.attention import allgather_attention, ring_attention
+    from meshlib_torch.attention import allgather_attention, ring_attention, ulysses_attention
 
     for fn in (ring_attention, allgather_attention):
         assert _flash_calls(fn, causal=True, layout="zigzag") == {"forward": 9, "backward": 9}
+    assert _flash_calls(ulysses_attention, HQ, causal=True, layout="zigzag") == {"forward": 1, "backward": 1}
     docs = (P(None, "cp"), ShapeDtype((B, S // 4), "int64"))  # one rank's shard
     calls = _flash_calls(ring_attention, causal=True, layout="zigzag", names=["doc_ids"], extra=[docs])
     assert calls == {"forward": 0, "backward": 0}

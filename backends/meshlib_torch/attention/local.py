@@ -206,6 +206,7 @@ class _Block(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, mask, parts):
         out, lse = _forward(q, k, v, scale, mask, parts)
+        ctx.set_materialize_grads(False)  # an unused lse's gradient stays None (the fused backward takes none)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.mask, ctx.parts = scale, mask, parts
         return out, lse

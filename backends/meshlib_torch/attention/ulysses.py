@@ -16,12 +16,15 @@ of one shared by the heads): S*S per head or once, so pass `causal` / `doc_ids` 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .. import lax
 from .inputs import Problem, check, compute_dtype, default_scale, host_index, mask5, split_heads
 from .local import block
 from .ring import gathered_docs
+from .zigzag import from_zigzag, to_zigzag
 
 __all__ = ["ulysses_attention"]
 
@@ -41,16 +44,23 @@ def ulysses_attention(
     q_all = lax.all_to_all(q, axis, 1, 2, tiled=True)  # (B, Hq/cp, S, D)
     kv_all = lax.all_to_all(torch.stack([k, v]), axis, 2, 3, tiled=True)  # (2, B, Hkv/cp, S, D)
     dtype, docs = compute_dtype(q.dtype), gathered_docs(doc_ids, axis)
+    user = _gathered_mask(mask, axis, hq)
+    # one fused kernel call where no documents nor mask of the caller's apply: a head-tail (zigzag) sequence
+    # is put in token order first (and its output back), so a causal mask is the kernel's own
+    plain = user is None and docs is None
+    reorder = plain and causal and layout == "zigzag"
+    parts = cp * len(shards.starts(rank))  # the layout's chunks in the sequence, for SCORES' unit
+    if reorder:
+        q_all, kv_all = from_zigzag(q_all, cp, 2), from_zigzag(kv_all, cp, 3)
+        shards = replace(shards, layout="contiguous")
     p = Problem(
         shards, rank, split_heads(q_all, hkv // cp).to(dtype), hq // cp, default_scale(scale, q), causal,
-        mask5(_gathered_mask(mask, axis, hq), hq // cp, hkv // cp, dtype), docs, docs,
+        mask5(user, hq // cp, hkv // cp, dtype), docs, docs,
     )  # fmt: skip
     seq, pos = cp * shards.local, shards.everyone(q.device)
-    parts = cp * len(shards.starts(rank))  # the layout's chunks in the sequence, for SCORES' unit
-    # one fused kernel call where the gathered sequence is in order, or no causal mask reads it
-    plain = p.mask is None and docs is None and (layout == "contiguous" or not causal)
     out, _ = block(p, (0, seq), kv_all[0], kv_all[1], (0, seq), (pos, pos) if causal else None, pairs=parts * parts,
                    parts=((0, seq, causal),) if plain else None)  # fmt: skip
+    out = to_zigzag(out, cp, 3) if reorder else out
     b, kv_heads, group, _, d = out.shape
     return lax.all_to_all(out.reshape(b, kv_heads * group, seq, d).to(q.dtype), axis, 2, 1, tiled=True)
 
