@@ -52,6 +52,18 @@ def test_megatron_all_reduces(name, tp):
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
+def test_an_axis_of_size_one_gets_no_collective(name):
+    """The rules shard the weights over tp; on Mesh(dp=2, tp=1) that splits nothing, so the plan places no
+    collective on tp (before, every weight was all-gathered over one rank, a copy each forward, kept from a
+    zero-bubble schedule's input-gradient pass to its weight pass), and its dp collectives are Mesh(dp=2)'s."""
+    plan = _compile(name, Mesh(dp=2, tp=1)).plan
+    alone = _compile(name, Mesh(dp=2)).plan
+    assert not [c for c in plan.collectives if "tp" in c.axes]
+    assert sorted((c.phase, c.kind, c.bytes, c.count) for c in plan.collectives) == sorted(
+        (c.phase, c.kind, c.bytes, c.count) for c in alone.collectives)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
 def test_sequence_parallel_swaps_each_all_reduce(name):
     cfg = config(name)
     layers, h = getattr(cfg, "n_layers", None) or cfg.n_layer, getattr(cfg, "dim", None) or cfg.n_embd

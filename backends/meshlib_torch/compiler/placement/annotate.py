@@ -25,10 +25,14 @@ from .placements import PARTIAL, Layout, R, Shard
 
 
 def spec_to_layout(spec: P, mesh: Mesh) -> Layout:
-    """The per-axis placements of `spec` (JAX's block order on every rank)."""
+    """The per-axis placements of `spec` (JAX's block order on every rank). An axis of size 1 splits and
+    sums nothing: Replicate there, so no collective is ever placed on it."""
     out = []
     for m, axis in enumerate(mesh.axis_names):
         placement = R
+        if mesh.axis_size(axis) == 1:
+            out.append(R)
+            continue
         for d, entry_axes in enumerate(spec.dim_axes(i) for i in range(len(spec))):
             if axis in entry_axes:
                 i = entry_axes.index(axis)
