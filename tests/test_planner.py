@@ -362,26 +362,30 @@ def test_ranks_sharing_cores_run_at_the_measured_speed_interpolated_in_log_ranks
         A100.replace(sharing=(("matmul", 2, 1.5),))
 
 
+def _pipeline_memory(cfg, config: StepConfig, batch: int, seq: int) -> tuple[list, list]:
+    """Per pipeline rank, the closed form's peak bytes and the compiled plan's dry run's, for the bundled
+    model of `cfg` (built on meta) run as `config`."""
+    from meshlib.planner import Candidate
+    from meshlib.predict import predict
+    from meshlib_torch.planner import compile_candidate
+
+    with torch.device("meta"):
+        model = models.build(cfg)
+    work = workload(model_shape(model), config, batch=batch, seq=seq)
+    plan = compile_candidate(model, Candidate(config, predict(work, A100)),
+                             rules=lambda mesh: models.default_rules(cfg, mesh), batch=batch, seq=seq, profile=A100)
+    return [s.memory for s in work.stages], [plan.rank_memory(r).peak for r in range(config.pp)]
+
+
 @pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("zb-h1", 1), ("zbv", 2), ("interleaved-1f1b", 2)])
 def test_a_pipelines_memory_per_rank_is_the_closed_forms(schedule, chunks):
     """The closed form's peak per pipeline rank against the compiled plan's dry run (llama-small with 8 layers,
     pp=4, 8 microbatches of 1 x 1,024 tokens, fp32): within 0.9-1.3x on every rank, the busiest rank the same.
     Zero-bubble schedules keep each chunk's activations until its W, and the gradients captured for it from
     its I (torch's pipelining retains the graph): the last ranks hold the most, unlike 1F1B's first."""
-    from meshlib.planner import Candidate
-    from meshlib.predict import predict
-    from meshlib_torch.planner import compile_candidate
-
-    cfg = models.config("llama-small", n_layers=8, max_seq_len=1024)
-    with torch.device("meta"):
-        model = models.build(cfg)
     config = StepConfig(dp=1, tp=1, pp=4, microbatch=1, dtype="float32", schedule=schedule, chunks=chunks,
                         **RUNTIME)  # fmt: skip
-    work = workload(model_shape(model), config, batch=8, seq=1024)
-    closed = [s.memory for s in work.stages]
-    plan = compile_candidate(model, Candidate(config, predict(work, A100)),
-                             rules=lambda mesh: models.default_rules(cfg, mesh), batch=8, seq=1024, profile=A100)
-    counted = [plan.rank_memory(r).peak for r in range(4)]
+    closed, counted = _pipeline_memory(models.config("llama-small", n_layers=8, max_seq_len=1024), config, 8, 1024)
     assert all(0.9 <= b / a <= 1.3 for a, b in zip(closed, counted)), (closed, counted)
     assert closed.index(max(closed)) == counted.index(max(counted)) == (0 if "zb" not in schedule else 3)
 
@@ -393,20 +397,9 @@ def test_a_zero_bubble_pipeline_with_sp_and_cp_holds_what_the_closed_form_says()
     per microbatch for each stage's input and output gradient (`recv_buffers`); a chunk waiting for W keeps
     its attention's and MLP's all-gathered inputs (gathered again by I); and W makes a chunk's weight
     gradients at once. Without those three it said 44.1 GiB for the 405B winner where the dry run says 59.9."""
-    from meshlib.planner import Candidate
-    from meshlib.predict import predict
-    from meshlib_torch.planner import compile_candidate
-
-    cfg = models.config("llama-small", n_layers=8)
-    with torch.device("meta"):
-        model = models.build(cfg)
     config = StepConfig(dp=1, tp=2, pp=4, cp=2, sp=True, microbatch=1, dtype="bfloat16", schedule="zbv", chunks=2,
                         **RUNTIME)  # fmt: skip
-    work = workload(model_shape(model), config, batch=32, seq=256)
-    closed = [s.memory for s in work.stages]
-    plan = compile_candidate(model, Candidate(config, predict(work, A100)),
-                             rules=lambda mesh: models.default_rules(cfg, mesh), batch=32, seq=256, profile=A100)
-    counted = [plan.rank_memory(r).peak for r in range(4)]
+    closed, counted = _pipeline_memory(models.config("llama-small", n_layers=8), config, 32, 256)
     assert all(0.95 <= b / a <= 1.05 for a, b in zip(closed, counted)), (closed, counted)
     assert closed.index(max(closed)) == counted.index(max(counted)) == 3
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from .. import lax
-from .inputs import check, compute_dtype, rank_of, split_heads
+from .inputs import check, rank_of, split_heads
 from .local import attend_shard, finish, shard_grads
 from .ring import padded, shard_problem
 
@@ -35,7 +35,7 @@ def allgather_attention(
     p = shard_problem(q, k, shards, rank, causal, mask, doc_ids, scale, axis)
     kv = padded(torch.stack([k, v]), shards.local)
     kv = lax.all_gather(kv, axis, axis=3, tiled=True)  # (2, B, Hkv, cp * local, D), rank 0's block first
-    return _Gathered.apply(q, kv, replace(p, q=None))
+    return _Gathered.apply(q, kv, p)
 
 
 class _Gathered(torch.autograd.Function):
@@ -46,7 +46,6 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kv, p):
-        p = replace(p, q=split_heads(q, kv.shape[2]).to(compute_dtype(q.dtype)))
         n, length = p.shards.cp, p.shards.local
         acc = [None] * len(p.shards.starts(p.rank))
         for step in range(n):

@@ -49,7 +49,7 @@ def ulysses_attention(
     # is put in token order first (and its output back), so a causal mask is the kernel's own
     plain = user is None and docs is None
     reorder = plain and causal and layout == "zigzag"
-    parts = cp * len(shards.starts(rank))  # the layout's chunks in the sequence, for SCORES' unit
+    chunks = cp * len(shards.starts(rank))  # the layout's chunks in the sequence, for SCORES' unit
     if reorder:
         q_all, kv_all = from_zigzag(q_all, cp, 2), from_zigzag(kv_all, cp, 3)
         shards = replace(shards, layout="contiguous")
@@ -58,7 +58,7 @@ def ulysses_attention(
         mask5(user, hq // cp, hkv // cp, dtype), docs, docs,
     )  # fmt: skip
     seq, pos = cp * shards.local, shards.everyone(q.device)
-    out, _ = block(p, (0, seq), kv_all[0], kv_all[1], (0, seq), (pos, pos) if causal else None, pairs=parts * parts,
+    out, _ = block(p, (0, seq), kv_all[0], kv_all[1], (0, seq), (pos, pos) if causal else None, pairs=chunks * chunks,
                    parts=((0, seq, causal),) if plain else None)  # fmt: skip
     out = to_zigzag(out, cp, 3) if reorder else out
     b, kv_heads, group, _, d = out.shape
