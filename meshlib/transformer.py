@@ -275,9 +275,9 @@ def workload(shape: ModelShape, config: StepConfig, *, batch: int, seq: int) -> 
     m = _check(shape, config, batch, seq)
     v = config.chunks if config.pp > 1 else 1
     split = _work.layer_split(shape, config.pp, v)
-    peaks = _split_peaks(shape, config, seq, m, v, split) if config.pp > 1 else ((1, 0),)
-    stages = tuple(_stage(shape, config, seq, m, r, split[r], peaks[r]) for r in range(config.pp))
     name = resolve_schedule(config.schedule, config.chunks)[0] if config.pp > 1 else ""
+    peaks = _split_peaks(shape, config, name, seq, m, v, split) if config.pp > 1 else ((1, 0),)
+    stages = tuple(_stage(shape, config, name, seq, m, r, split[r], peaks[r]) for r in range(config.pp))
     return Workload(mesh=config.mesh, stages=stages, tokens=batch * seq,
                     model_flops=3 * shape.forward_flops(batch * seq, seq), dtype=config.dtype, schedule=name,
                     microbatches=m, chunks=v)  # fmt: skip
@@ -339,11 +339,11 @@ def _peaks(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return scheduled_peaks(name, p, m, v)
 
 
-def _split_peaks(shape: ModelShape, c: StepConfig, seq: int, m: int, v: int, split: tuple) -> tuple:
+def _split_peaks(shape: ModelShape, c: StepConfig, name: str, seq: int, m: int, v: int, split: tuple) -> tuple:
     """Per pipeline rank, (chunk-microbatches holding their activations, of them those waiting for their
-    weight gradient) at its peak: `_peaks` and none waiting where backward is not split, else counted on the
-    schedule (`waiting_peaks`), a waiting chunk weighing its activations and its residue."""
-    name = resolve_schedule(c.schedule, v if v > 1 else None)[0]
+    weight gradient) at its peak under schedule `name` (canonical): `_peaks` and none waiting where backward
+    is not split, else counted on the schedule (`waiting_peaks`), a waiting chunk weighing its activations and
+    its residue."""
     if not splits_backward(name):
         return tuple((k, 0) for k in _peaks(c.schedule, c.pp, m, v))
     dense, moe = max(split[0], key=lambda dm: dm[0] + dm[1])
@@ -382,33 +382,35 @@ def scheduled_peaks(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _stage(shape: ModelShape, c: StepConfig, seq: int, m: int, rank: int, chunks: tuple, peak: tuple) -> StageWork:
+def _stage(shape: ModelShape, c: StepConfig, name: str, seq: int, m: int, rank: int, chunks: tuple,
+           peak: tuple) -> StageWork:  # fmt: skip
     """The ranks at pipeline coordinate `rank` holding `peak` (chunk-microbatches holding activations, of them
-    waiting for W) at their peak (`_stage_of`: alike stages computed once, whatever they hold)."""
+    waiting for W) at their peak under schedule `name` (`_stage_of`: alike stages computed once, whatever they
+    hold)."""
     work, state, act, residue, head = _stage_of(shape, c, seq, m, rank == 0, rank == c.pp - 1, chunks)
     full, waiting = peak
-    received = _received(shape, c, seq, m, rank, len(chunks))
+    received = _received(shape, c, name, seq, m, rank, len(chunks))
     return replace(work, memory=int(state + act * full + residue * waiting + head + received
-                                    + _weight_pass(shape, c, chunks)))  # fmt: skip
+                                    + _weight_pass(shape, c, name, chunks)))  # fmt: skip
 
 
-def _weight_pass(shape: ModelShape, c: StepConfig, chunks: tuple) -> float:
+def _weight_pass(shape: ModelShape, c: StepConfig, name: str, chunks: tuple) -> float:
     """What a weight-gradient action (W) makes at once where backward is split: torch's pipelining computes
     a chunk's weight gradients in one `autograd.grad` call, all of them alive until it hands them on (in
     the compute dtype; the largest chunk of the rank's)."""
-    if c.pp == 1 or not splits_backward(resolve_schedule(c.schedule, c.chunks)[0]):
+    if c.pp == 1 or not splits_backward(name):
         return 0.0
     grads = max(sum(_work.stage_params(shape, c, d, x, embed=False, head=False)) for d, x in chunks)
     return ITEMSIZE[c.dtype] * grads
 
 
-def _received(shape: ModelShape, c: StepConfig, seq: int, m: int, rank: int, v: int) -> float:
+def _received(shape: ModelShape, c: StepConfig, name: str, seq: int, m: int, rank: int, v: int) -> float:
     """The bytes pipeline rank `rank`, holding `v` stages, keeps in receive buffers (`recv_buffers`): per
     microbatch, each stage's input but the first stage's, and each stage's output gradient but the last's
     (on rank 0 where the stages run down and back up, a V)."""
     if c.pp == 1 or not c.recv_buffers:
         return 0.0
-    last = 0 if resolve_schedule(c.schedule, c.chunks)[0] == "zbv" else c.pp - 1
+    last = 0 if name == "zbv" else c.pp - 1
     buffers = v - (rank == 0) + (v - (rank == last) if c.recv_buffers > 1 else 0)
     return m * buffers * _comm.send_bytes(shape, c, c.microbatch * seq // c.cp)
 

@@ -543,10 +543,13 @@ LARGE_RUN = {"sequence_parallel": True, "recompute": "block", "microbatches": 2}
     [("gpt-tiny", "cp=2", {"zero": 3}), ("llama-tiny", "cp=4", {"zero": 3}), ("gpt-tiny", "tp=2,cp=2", {"zero": 3}),
      ("llama-tiny", "pp=2,cp=2", {"microbatches": 2, "zero": 3}), ("gpt-tiny", "cp=2", {"recompute": "block"}),
      ("llama-tiny", "tp=2,cp=2", {"sequence_parallel": True, "recompute": "block", "zero": 3}),
+     ("llama-tiny", "cp=4", {"recompute": "selective"}),
+     ("llama-tiny", "tp=2,cp=2", {"sequence_parallel": True, "recompute": "selective"}),
      ("llama-tiny", "pp=2,tp=2,cp=2", LARGE_RUN), ("moe-tiny", "ep=2,cp=2", {}), ("moe-tiny", "dp=2,cp=2,ep=2", {"zero": 3})],
 )  # fmt: skip
 def test_cp_composes_with_zero3_recompute_sequence_parallelism_and_experts(name, mesh, options):
     """cp with ZeRO-3 (FSDP2 over dp×cp), block recompute (the ring runs again in the recomputed forward),
+    selective recompute (the ring's blocks run again from the kept hops, `blocks_recomputed`),
     Megatron's sequence parallelism (the sequence split over tp between the blocks, over cp everywhere), and
     expert parallelism (experts take their tokens in whatever order the head-tail chunks hold them): fp64
     parity to 1e-12 over 3 AdamW steps. For the dense models each rank also counts the bytes its plan says, the

@@ -16,8 +16,8 @@ from dataclasses import replace
 import torch
 
 from .. import lax
-from .inputs import check, rank_of, split_heads
-from .local import attend_shard, finish, shard_grads
+from .inputs import check, rank_of
+from .local import attend_shard, backward_inputs, finish, shard_grads
 from .ring import padded, shard_problem
 
 __all__ = ["allgather_attention"]
@@ -59,11 +59,10 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, kv, out, lse = ctx.saved_tensors
-        hkv, dtype = kv.shape[2], lse.dtype
-        p = replace(ctx.p, q=split_heads(q, hkv).to(dtype))
+        dtype = lse.dtype
+        p, out5, grad5, grad_q = backward_inputs(ctx.p, q, kv.shape[2], out, grad_out, dtype)
         n, length = p.shards.cp, p.shards.local
-        grad_q, grad_kv = torch.zeros_like(p.q), torch.zeros(kv.shape, dtype=dtype, device=kv.device)
-        out5, grad5 = split_heads(out, hkv).to(dtype), split_heads(grad_out, hkv).to(dtype)
+        grad_kv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
         for src in range(n):
             cols = slice(src * length, (src + 1) * length)
             shard_grads(p, kv[:, :, :, cols], src, out5, lse, grad5, grad_q, grad_kv[:, :, :, cols])

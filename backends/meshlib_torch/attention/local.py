@@ -30,7 +30,7 @@ masks run the eager tiles, which take any mask. CPU has the kernel (and the meta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,11 +38,11 @@ from ..modules.recompute import blocks_recomputed
 from ..modules.repeat import standing_for
 from ..torch_private import flash_attention, flash_attention_grads, has_flash_attention
 from .flops import SCORES
-from .inputs import Problem
+from .inputs import Problem, split_heads
 
 __all__ = [
     "Mask", "Parts", "Piece", "attend", "attend_shard", "block", "block_mask", "finish", "grads", "merge", "pieces",
-    "parts_mask", "shard_grads",
+    "parts_mask", "shard_grads", "backward_inputs",
 ]  # fmt: skip
 
 _NEG = float("-inf")
@@ -61,8 +61,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask
     documents (`_Block`, flash attention's recomputation), so what a rank keeps for backward grows with its
     tokens, not with (S/cp) x S."""
     k, v = k.to(q.dtype), v.to(q.dtype)
-    if parts is not None and not has_flash_attention(q.device):  # the tiles, masked as the parts say
-        mask, parts = (parts_mask(parts, q.shape[3], q.device) if mask is None else mask), None
+    if parts is not None and not has_flash_attention(q.device):
+        mask, parts = _tiles_mask(mask, parts, q), None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _Block.apply(q, k, v, scale, mask, parts)
     return _forward(q, k, v, scale, mask, parts)
@@ -70,6 +70,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask
 
 Parts = tuple  # ((c0, m, causal), ...): key columns [c0, c0 + m) of a block, all visible or causal (key j of
 # the part hidden from query row i when j > i); together the block's columns a mask may show
+
+
+def _tiles_mask(mask: Mask | None, parts: Parts | None, q: torch.Tensor) -> Mask | None:
+    """The mask the eager tiles take for a block of queries `q`: the caller's, else what `parts` say, if any."""
+    return parts_mask(parts, q.shape[3], q.device) if mask is None and parts is not None else mask
 
 
 def parts_mask(parts: Parts, rows: int, device) -> Mask:
@@ -227,8 +232,7 @@ def grads(q, k, v, out, lse, grad_out, grad_lse, scale: float, mask: Mask | None
     k, v = k.to(q.dtype), v.to(q.dtype)
     if parts is not None and grad_lse is None and has_flash_attention(q.device):
         return _fused_grads(q, k, v, out, lse, grad_out, scale, parts)
-    if parts is not None and mask is None:
-        mask = parts_mask(parts, q.shape[3], q.device)
+    mask = _tiles_mask(mask, parts, q)
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for r0, r1, n in _stepped(q, k.shape[-2]):
         with standing_for(n):
@@ -368,6 +372,14 @@ def shard_grads(p: Problem, kv, src: int, out, lse, grad_out, grad_q, grad_kv) -
         grad_q[:, :, :, t] += dq
         grad_kv[0, :, :, :m] += dk
         grad_kv[1, :, :, :m] += dv
+
+
+def backward_inputs(p: Problem, q, kv_heads: int, out, grad_out, dtype: torch.dtype) -> tuple:
+    """What the ring's and the all-gather's backward start from: the Problem with the saved queries (B, Hq, L, D)
+    as (B, Hkv, G, L, D) in the compute `dtype`, the rows' out and its gradient so too, and dQ's zeros."""
+    p = replace(p, q=split_heads(q, kv_heads).to(dtype))
+    heads = (split_heads(t, kv_heads).to(dtype) for t in (out, grad_out))
+    return p, *heads, torch.zeros_like(p.q)
 
 
 def finish(p: Problem, acc: list, dtype: torch.dtype) -> torch.Tensor:

@@ -33,7 +33,7 @@ from .. import lax
 from ..spmd.records import Call
 from ..spmd.region import Axes, current, user_line
 from .inputs import Problem, check, compute_dtype, default_scale, mask5, rank_of, split_heads
-from .local import attend_shard, finish, shard_grads
+from .local import attend_shard, backward_inputs, finish, shard_grads
 from .zigzag import Shards
 
 __all__ = ["gathered_docs", "ring_attention", "shard_problem"]
@@ -116,11 +116,9 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, last, out, lse = ctx.saved_tensors
-        hkv, dtype = k.shape[1], lse.dtype
-        p = replace(ctx.p, q=split_heads(q, hkv).to(dtype))
-        n = p.shards.cp
-        out5, grad5 = split_heads(out, hkv).to(dtype), split_heads(grad_out, hkv).to(dtype)
-        grad_q, own = torch.zeros_like(p.q), padded(torch.stack([k, v]), p.shards.local)
+        dtype = lse.dtype
+        p, out5, grad5, grad_q = backward_inputs(ctx.p, q, k.shape[1], out, grad_out, dtype)
+        n, own = p.shards.cp, padded(torch.stack([k, v]), p.shards.local)
         kv, kv_hop, grad_hop = last, None, None
         for step in range(n):
             if step:
