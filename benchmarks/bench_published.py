@@ -66,9 +66,12 @@ MEGATRON_2022 = {"flash": False, "dtype": "float16", "dp_overlap": False, "tp_ov
 MEGATRON_2021 = {**MEGATRON_2022, "fused_accumulation": False}
 # Llama 3 (Dubey et al. 2024, sec. 3.3.2): FSDP sharding optimizer state and gradients, parameters not resharded
 # after forward (ZeRO-2's traffic), gradients reduce-scattered in fp32; asynchronous pipeline sends; no
-# activation recompute at 8K; sequence parallelism with TP; all-gather context parallelism
+# activation recompute at 8K; sequence parallelism with TP; all-gather context parallelism. Gradients are
+# accumulated in fp32 over the microbatches ("Numerical stability"): in a PyTorch runtime autograd makes each
+# microbatch's bf16 weight gradient and a separate kernel adds it into the fp32 buffer (Megatron's in-product
+# accumulation is a CUDA extension of its own), so no fused accumulation
 LLAMA3 = {"flash": True, "dtype": "bfloat16", "dp_overlap": True, "tp_overlap": "none", "async_p2p": True,
-          "zero": 2, "sp": True, "cp_method": "all-gather"}  # fmt: skip
+          "zero": 2, "sp": True, "cp_method": "all-gather", "fused_accumulation": False}  # fmt: skip
 
 K22 = "Korthikanti et al. 2022, table 5"
 KORTHIKANTI = {  # model, tp, pp, chunks, batch, microbatch; published (full recompute, SP + selective) seconds

@@ -290,6 +290,39 @@ def _stage_run(compiled: Compiled, s: int, split: bool = False) -> StageRun:
     return dataclasses.replace(run, compute=compute)
 
 
+def stage_key(compiled: Compiled, s: int) -> tuple:
+    """What decides stage `s`'s dry run, with node names left out: each node's op and target, its arguments
+    (earlier nodes by position), the local shape and dtype of what it reads, its collective's layouts, its
+    part (pre, a layer, post: by order within the stage) and the boundary values it receives. Two stages
+    with the same key run the same ops on the same shapes (a deep model's middle stages do)."""
+    graph, opts = compiled.stages.graphs[s], compiled.options
+    compute = getattr(torch, opts.precision.param)
+    comms, specials = {c.name: c for c in compiled.comms}, {c.name: c for c in compiled.specials}
+    params, buffers = compiled.traced.params, compiled.buffers
+    parts = {n.name: k for n, k in compiled.parts.items()} if opts.recompute != "none" else {}
+    order = {k: i for i, k in enumerate(sorted({parts[n.name] for n in graph.nodes if n.name in parts}))}
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    at = lambda a: ("node", index[a]) if isinstance(a, fx.Node) else a  # noqa: E731
+    key = []
+    for n in graph.nodes:
+        target = n.target
+        if n.op == "get_attr" and target in params:
+            target = (tuple(compiled.local_param_shape(target)), compute, params[target].requires_grad)
+        elif n.op == "get_attr" and target in buffers:
+            target = (tuple(buffers[target].shape), buffer_dtype(compiled, target, buffers[target]))
+        elif n.op == "call_module" and target in comms:
+            c = comms[target]
+            target = (c.src, c.dst, c.grad_dst, c.grad_out, c.shape, c.dtype, c.requires_grad)
+        elif n.op == "call_module" and target in specials:
+            target = (specials[target].kind, repr(specials[target].args))
+        elif n.op == "placeholder":
+            target = index[n]
+        args = repr(fx.node.map_aggregate((n.args, n.kwargs), at))
+        key.append((n.op, target if n.op != "call_function" else repr(target), args, order.get(parts.get(n.name))))
+    inputs = boundary_values(compiled, compiled.stages.inputs[s], "meta", compiled.stages.layouts)
+    return tuple(key), tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs)
+
+
 def _stage_pass(gm, params, inputs, tracker: PeakTracker, counter: OpCounter, split: bool) -> StageRun:
     tracker.ignore(params)
     tracker.baseline([*inputs, *gm.buffers()])
@@ -333,7 +366,12 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
     the most in flight plus the transient of the action running then (`_stage_run`), and the buffers
     the stages receive into (`_receive_buffers`). Also, per stage, what one microbatch computes there."""
     split = any(a.kind == "I" for actions in core.actions for a in actions)
-    runs = [_stage_run(compiled, s, split) for s in range(len(compiled.stages.graphs))]
+    runs, done = [], {}
+    for s in range(len(compiled.stages.graphs)):  # alike stages (a deep model's middle ones) run once
+        key = stage_key(compiled, s)
+        if key not in done:
+            done[key] = _stage_run(compiled, s, split)
+        runs.append(done[key])
     recv = _receive_buffers(compiled.stages, core)
     opts = compiled.options
     compute = getattr(torch, opts.precision.param).itemsize
