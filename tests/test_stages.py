@@ -140,3 +140,31 @@ def test_user_split_points_are_recorded_in_the_plan():
     assert stages.layers == [(0, 3), (3, 4)]
     assert [s.modules for s in compiled.plan.stages] == [("layers.0", "layers.1", "layers.2"), ("layers.3",)]
     assert compiled.plan.note_map["stage split"].endswith("balanced by user split points")
+
+
+@pytest.mark.parametrize("mesh, options", [
+    ("pp=4,tp=2", {"microbatches": 8, "sequence_parallel": True, "recompute": "block", "precision": "bf16"}),
+    ("pp=4,dp=2", {"microbatches": 4, "schedule": "interleaved-1f1b", "zero": 2, "recompute": "selective"}),
+    ("pp=4,cp=2,tp=2", {"microbatches": 4, "schedule": "zbv", "sequence_parallel": True}),
+])  # fmt: skip
+def test_alike_stages_are_dry_run_once_and_plan_what_each_run_apart_would(monkeypatch, mesh, options):
+    """A deep model's middle stages run the same ops on the same shapes: the dry run runs each distinct one
+    once (`stage_key`, node names left out). llama-tiny with 8 layers on pp=4: fewer runs than stages, and
+    every stage's memory and compute as when each stage runs apart."""
+    from meshlib_torch.compiler.estimates import dryrun
+
+    cfg, m = config("llama-tiny", n_layers=8), Mesh.parse(mesh)
+    example = tuple(torch.empty(8, 32, dtype=torch.long, device="meta") for _ in range(2))
+
+    def plan():
+        return compile_model(build(cfg, device="meta"), mesh=m, rules=default_rules(cfg, m), example_inputs=example,
+                             estimate_memory=True, **options).plan  # fmt: skip
+
+    keys, key = [], dryrun.stage_key
+    monkeypatch.setattr(dryrun, "stage_key", lambda c, s: keys.append(key(c, s)) or keys[-1])
+    once = plan()
+    assert len(set(keys)) < len(keys), len(keys)
+    monkeypatch.setattr(dryrun, "stage_key", lambda c, s: s)
+    apart = plan()
+    assert once.stage_memory == apart.stage_memory
+    assert once.compute == apart.compute and len(once.compute) == 4
