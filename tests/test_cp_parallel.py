@@ -655,12 +655,15 @@ def test_the_peak_per_rank_falls_with_cp_as_the_plan_says():
 
 
 @pytest.mark.ranks
-def test_the_plans_peak_on_cp_holds_under_recompute_and_bf16():
-    """The same step on cp=4 with block recompute (the ring runs again in the recomputed forward) and bf16:
-    every rank's measured peak is the plan's within 10%."""
-    options = {"recompute": "block", "precision": "bf16"}
+@pytest.mark.parametrize("recompute", ["block", "selective"])
+def test_the_plans_peak_on_cp_holds_under_recompute_and_bf16(recompute):
+    """The same step on cp=4 with block recompute (the ring runs again in the recomputed forward) or selective
+    (the ring's blocks run again from the kept hops, their outputs not kept) and bf16: every rank's measured
+    peak is the plan's within 10%."""
+    options = {"recompute": recompute, "precision": "bf16"}
     plan, got = _planned_peak("cp=4", options), get_pool(4).run(_peak, "cp=4", options)
-    print(f"cp=4, block recompute, bf16: plan {plan / 2**20:.2f} MiB, measured {[round(m / 2**20, 2) for m in got]}")
+    print(f"cp=4, {recompute} recompute, bf16: plan {plan / 2**20:.2f} MiB, "
+          f"measured {[round(m / 2**20, 2) for m in got]}")  # fmt: skip
     assert all(m == pytest.approx(plan, rel=0.1) for m in got), (plan, got)
 
 
