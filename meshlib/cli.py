@@ -250,6 +250,10 @@ def _common(p: argparse.ArgumentParser, *, own_models: bool) -> None:
         help="MoE experts take at most ceil(C*T*k/E) of each rank's pairs, dropping the rest (default: dropless)",
     )  # fmt: skip
     p.add_argument(
+        "--expert-load", type=float, default=PAR.expert_load, metavar="R",
+        help="plans give each ep rank's dropless experts R times an even share of the tokens (default 1: even)",
+    )  # fmt: skip
+    p.add_argument(
         "--idle-axes", default="", metavar="AXIS,...",
         help="mesh axes nothing is split over, replicated on purpose (else such an axis is refused as a likely typo)",
     )  # fmt: skip

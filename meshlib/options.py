@@ -60,6 +60,10 @@ class Parallelism(_Options):
     `capacity_factor`: a mixture-of-experts layer's experts take at most C = ceil(c·T·k/E) of the T·k
     (token, expert) pairs a rank routes (the first C to each expert, in token order), the rest dropped,
     counted and reported; fixed-size exchanges and no host read. None (the default): dropless.
+    `expert_load`: what a plan's dry run gives a dropless mixture-of-experts layer's experts on each expert-
+    parallel rank, in even shares of the pairs (1.0, the default: routing spread evenly; 1.5: the busiest
+    rank's experts draw 1.5 times the mean, as `meshlib run`'s routing table reports it). Only plans read it:
+    a run routes as its router says.
     `cp_method`: how attention over a sequence split on `cp` reaches the other ranks' keys and values:
     "ring" (they travel around the ring of cp ranks, the default), "all-gather" (gathered once; small cp)
     or "all-to-all" (DeepSpeed-Ulysses: sequence shards swapped for head shards; heads must divide by cp).
@@ -80,6 +84,7 @@ class Parallelism(_Options):
     idle_axes: tuple[str, ...] = ()
     uneven: str = "error"
     capacity_factor: float | None = None
+    expert_load: float = 1.0
     cp_method: str = "ring"
     cp_layout: str = "zigzag"
 
@@ -88,6 +93,10 @@ class Parallelism(_Options):
         c = self.capacity_factor
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
             raise ValueError(f"capacity_factor={c!r}: give a positive number (1.25: 25% above an even share), or None")
+        r = self.expert_load
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 1 <= r < float("inf"):
+            raise ValueError(f"expert_load={r!r}: give a number >= 1 (1.0: an even share; 1.5: the busiest rank's "
+                             "experts draw 1.5 times the mean)")
         if isinstance(self.precision, str):
             _set(self, "precision", Precision.parse(self.precision))
         elif self.precision is not None and not isinstance(self.precision, Precision):

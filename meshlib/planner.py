@@ -77,7 +77,7 @@ def search(
     _check(shape, devices, batch, seq)
     space = _Space(shape, devices, batch, seq, profile, float(device_memory or profile.memory), dtype,
                    {**MESHLIB_RUNTIME, **(runtime or {})}, exhaustive)  # fmt: skip
-    ranked = space.best(top)
+    ranked = space.best(max(top, RESIMULATED))
     if not ranked:
         need = f"; the least any configuration needs is {space.tight / GIB:.1f} GiB" if space.tight < math.inf else ""
         raise ValueError(
@@ -85,10 +85,22 @@ def search(
             f"{space.memory / GIB:.1f} GiB at batch {batch} x seq {seq}{need}. Fix: more devices, a smaller batch or "
             "sequence, or devices with more memory"
         )
-    return [Candidate(ranked[0].config, ranked[0].prediction, _why(ranked[0], space))] + ranked[1:]
+    timed = sorted(((_simulated(c, space), c) for c in ranked), key=lambda sc: _rank(sc[0]))[:top]
+    (best, first), rest = timed[0], [s for s, _ in timed[1:]]
+    return [Candidate(best.config, best.prediction, _why(first, space))] + rest
 
 
 SIMPLER = 0.01  # the predicted gain an extra parallel axis must bring to rank first (within the model's error)
+RESIMULATED = 10  # the search's best this many, ranked by the schedule's published bubble, are simulated
+
+
+def _simulated(cand: Candidate, space: _Space) -> Candidate:
+    """`cand` predicted with its pipeline simulated (the busiest stage's times on the schedule's own order,
+    sends included), not the published bubble the search ranks by: the returned plans are ranked so."""
+    if cand.config.pp == 1:
+        return cand
+    w = workload(space.shape, cand.config, batch=space.batch, seq=space.seq)
+    return Candidate(cand.config, predict(w, space.profile))
 
 
 def _rank(cand: Candidate) -> tuple:
@@ -170,7 +182,7 @@ def _schedules(shape: ModelShape, pp: int, m: int, exhaustive: bool):
     yield "1f1b", 1
     if exhaustive:
         yield "gpipe", 1
-    for v in (2, 3, 4, 6, 8) if exhaustive else (2, 4):
+    for v in (2, 3, 4, 6, 8) if exhaustive else (2, 4, 8):
         if pp * v <= shape.layers and m % pp == 0:
             yield "interleaved-1f1b", v
     if m >= pp:

@@ -59,11 +59,29 @@ class BalancedRouter(nn.Module):
         return logits, torch.softmax(logits, dim=-1).gather(1, index), index
 
 
+class SkewedRouter(BalancedRouter):
+    """`BalancedRouter`, its choices among experts 0 .. `share` - 1 only: on ep ranks of E/ep experts each
+    with `share` = E/ep, every pair goes to rank 0's experts, which draw ep times an even share."""
+
+    def __init__(self, gate: nn.Module, share: int):
+        super().__init__(gate)
+        self.n_experts = share
+
+
 def build_balanced() -> nn.Module:
     model = build_moe("moe-tiny-ds")
     for layer in model.layers:
         if hasattr(layer, "moe"):
             layer.moe.gate = BalancedRouter(layer.moe.gate)
+    return model
+
+
+def build_skewed_to_rank_0_of_2() -> nn.Module:
+    """moe-tiny-ds whose routers send every pair to experts 0-3, rank 0's of ep=2 (E = 8)."""
+    model = build_moe("moe-tiny-ds")
+    for layer in model.layers:
+        if hasattr(layer, "moe"):
+            layer.moe.gate = SkewedRouter(layer.moe.gate, 4)
     return model
 
 

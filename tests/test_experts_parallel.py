@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import meshlib as ml
-from meshlib_torch.models import update_balancing_bias
+from meshlib_torch import compile_model
+from meshlib_torch.models import build, update_balancing_bias
 from meshlib_torch.testing.pool import get_pool
 from meshlib_torch.testing.reference import Trial, assert_same, run_parallel, run_single
 
@@ -91,6 +92,50 @@ def test_the_plan_counts_the_all_to_all_and_the_host_syncs_as_each_rank_runs_the
     assert exchanges and all(c.bus_bytes == c.total_bytes for c in exchanges)  # its records hold what leaves
     # what the plan took for routing it says: dropless spreads the tokens evenly
     assert "spreads them evenly over the experts" in dict(results[0]["plan"].notes)["MoE routing"]
+
+
+def _skewed_peak(mesh: str) -> int:
+    """The measured peak bytes of a step of `moe_models.build_skewed_to_rank_0_of_2` on this rank (parameters,
+    buffers and optimizer state its baseline, as the plan counts them), 8 x 64 tokens."""
+    from meshlib_torch import PeakTracker, parallelize
+
+    m = ml.Mesh.parse(mesh)
+    par = parallelize(mm.build_skewed_to_rank_0_of_2(), mesh=m, rules=mm.rules_ds(m), example_inputs=mm.long_batch(0))
+    opt = par.optimizer(lr=1e-3)
+    par.train_step(mm.long_batch(0), opt)
+    state = [v for st in opt.state.values() for v in st.values()]
+    with PeakTracker(device="cpu") as tracker:
+        tracker.baseline(list(par.parameters()) + list(par.buffers()) + state)
+        par.train_step(mm.long_batch(1), opt)
+    return tracker.peak
+
+
+@pytest.mark.ranks
+def test_expert_load_plans_the_busiest_ranks_memory():
+    """Dropless routing sends every pair to rank 0's experts (ep=2: they draw twice an even share, rank 1's
+    none). The plan with expert_load=2 holds rank 0's measured peak within 10%; the even plan (the default)
+    is below it by more, and the load raises the plan by what rank 0's experts hold (linear in the load)."""
+    m = ml.Mesh.parse("ep=2")
+
+    def plan(load: float) -> int:
+        model = build("moe-tiny-ds", device="meta", dtype=torch.float64)
+        example = tuple(torch.empty(8, 64, dtype=torch.long, device="meta") for _ in range(2))
+        return compile_model(model, mesh=m, rules=mm.rules_ds(m), example_inputs=example, estimate_memory=True,
+                             expert_load=load).plan.memory.peak  # fmt: skip
+
+    even, busy, between = plan(1.0), plan(2.0), plan(1.5)
+    got = get_pool(2).run(_skewed_peak, "ep=2")
+    print(f"plan: even {even / 2**20:.2f} MiB, expert_load=2 {busy / 2**20:.2f} MiB; measured "
+          f"{[round(g / 2**20, 2) for g in got]} MiB")
+    assert got[0] == pytest.approx(busy, rel=0.1)
+    assert abs(got[0] - even) > 0.1 * got[0]
+    assert between - even == pytest.approx(busy - between, rel=0.01)
+
+
+@pytest.mark.parametrize("load", [0.5, float("inf"), True, "2"])
+def test_an_expert_load_below_an_even_share_is_refused_naming_the_fix(load):
+    with pytest.raises(ValueError, match=r"expert_load=.*give a number >= 1"):
+        ml.Parallelism(expert_load=load)
 
 
 # -- ZeRO with ep: the experts' state over the data ranks besides ep, the rest over all ------------------

@@ -110,7 +110,7 @@ def _compile(args, *, seq: int):
         recompute=args.recompute, estimate_memory=True, microbatches=args.microbatches, schedule=args.schedule,
         chunks=args.chunks, split_points=args.split_points, balance=args.balance, idle_axes=_idle(args),
         uneven=args.uneven, capacity_factor=args.capacity_factor, cp_method=args.cp_method,
-        cp_layout=args.cp_layout,
+        cp_layout=args.cp_layout, expert_load=args.expert_load,
     )  # fmt: skip
     return compiled, (("model", args.model), *notes, ("batch x seq", f"{args.batch} x {seq}"))
 

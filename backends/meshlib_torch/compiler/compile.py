@@ -17,6 +17,7 @@ import torch
 from meshlib import CANONICAL_AXES, Mesh, Precision
 from meshlib.options import Parallelism, Pipelining, gather
 
+from ..experts.dispatch import assumed_load
 from .capture.call import Call, LossSpec, bind_call
 from .capture.moe import expert_modules
 from .estimates.records import step_collectives
@@ -65,15 +66,16 @@ def compile_model(
     if m > 1 and par.uneven != "error":
         layouts = input_layouts(call.tensors, par.in_specs, mesh, par.replicate_axes, par.uneven, par.cp_layout)
         _check_ragged_batch(layouts, mesh, call, m)
-    if pipe.pp_axis in mesh and mesh.axis_size(pipe.pp_axis) > 1:
-        compiled = compile_pipeline(model, call, mesh=mesh, rules=rules, options=par, pipelining=pipe,
-                                    estimate_memory=estimate_memory)  # fmt: skip
-    else:
-        compiled = compile_graph(model, call.micro(m), mesh=mesh, rules=rules, options=par,
-                                 estimate_memory=estimate_memory)  # fmt: skip
-        compiled = dataclasses.replace(compiled, microbatches=m)
-        plan = compiled.plan.replace(collectives=tuple(step_collectives(compiled, m)), microbatches=m)
-        compiled = dataclasses.replace(compiled, plan=plan)
+    with assumed_load(par.expert_load):  # what a dry run's dropless experts draw
+        if pipe.pp_axis in mesh and mesh.axis_size(pipe.pp_axis) > 1:
+            compiled = compile_pipeline(model, call, mesh=mesh, rules=rules, options=par, pipelining=pipe,
+                                        estimate_memory=estimate_memory)  # fmt: skip
+        else:
+            compiled = compile_graph(model, call.micro(m), mesh=mesh, rules=rules, options=par,
+                                     estimate_memory=estimate_memory)  # fmt: skip
+            compiled = dataclasses.replace(compiled, microbatches=m)
+            plan = compiled.plan.replace(collectives=tuple(step_collectives(compiled, m)), microbatches=m)
+            compiled = dataclasses.replace(compiled, plan=plan)
     _check_axes_used(compiled, pipe.pp_axis, par.idle_axes)
     _check_fsdp_axes(compiled)
     compiled = dataclasses.replace(compiled, plan=_with_work(compiled.plan, call, m))
@@ -85,7 +87,8 @@ def compile_model(
             "counts for a balancing bias add up over the microbatches"
         )))  # fmt: skip
     if par.capacity_factor is None and moe:
-        notes.append(("MoE routing", ROUTING_NOTE))
+        load = f"; this plan: expert_load={par.expert_load:g}" if par.expert_load != 1 else ""
+        notes.append(("MoE routing", ROUTING_NOTE + load))
     if notes:
         compiled = dataclasses.replace(compiled, plan=compiled.plan.replace(notes=(*compiled.plan.notes, *notes)))
     return compiled
@@ -96,7 +99,7 @@ ROUTING_NOTE = (
     "dropless: how many tokens each expert gets is known only as the step runs, so this plan spreads them "
     "evenly over the experts (the all-to-all bytes, the experts' FLOPs and, in a dry run, their activations). "
     "A rank whose experts draw r times the mean computes, moves and holds r times that part; capacity_factor "
-    "bounds r"
+    "bounds r, and expert_load=r plans the memory of a rank that draws it"
 )
 
 

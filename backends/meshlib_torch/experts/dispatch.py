@@ -25,6 +25,9 @@ read to the host. The dropped pairs are added up on the device in `routing.DROPP
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from .. import lax
@@ -33,7 +36,25 @@ from ..spmd.vma import vma
 from .grouped import expert_mlp
 from .routing import DROPPED, capacity, expert_counts, positions, read_counts
 
-__all__ = ["experts_ep"]
+__all__ = ["assumed_load", "experts_ep"]
+
+
+class _Load(threading.local):
+    share = 1.0
+
+
+_LOAD = _Load()
+
+
+@contextlib.contextmanager
+def assumed_load(share: float):
+    """Within it, a dropless layer on meta tensors (a dry run: no counts to read) gives this rank's experts
+    `share` times an even share of the pairs from each source rank (`Parallelism.expert_load`)."""
+    saved, _LOAD.share = _LOAD.share, share
+    try:
+        yield
+    finally:
+        _LOAD.share = saved
 
 
 def experts_ep(
@@ -85,13 +106,15 @@ def _dropless(pairs, flat, gate_up, down, axis, n: int) -> torch.Tensor:
 
 def _host_counts(counts, arriving, pairs: int, local: int, n: int) -> tuple[list[int], list[int]]:
     """(pairs this rank sends each expert, pairs each source sends each local expert) as Python ints: one
-    host read. On meta tensors (a dry run, the vma check) there are no values: balanced routing instead."""
+    host read. On meta tensors (a dry run, the vma check) there are no values: balanced routing instead, this
+    rank's experts receiving `assumed_load`'s share."""
     read = read_counts(counts, arriving)
     if read is not None:
         sent, got = read
         return sent, got
     even = [pairs // (n * local) + (e < pairs % (n * local)) for e in range(n * local)]
-    return even, even[:local] * n
+    share = _LOAD.share if n > 1 else 1.0  # on one rank every pair stays, however they spread
+    return even, [round(c * share) for c in even[:local]] * n
 
 
 def _by_local_expert(arriving: torch.Tensor, local: int, n: int, rows: int) -> torch.Tensor:
