@@ -107,8 +107,9 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 # -- (a) --------------------------------------------------------------------------------------------------
-def planned(model: tuple, mesh: str, options: dict, profile):
+def planned(model: tuple, mesh: str, options: dict, profile, **extra):
     name, overrides = model
+    options = {**options, **extra}
     cfg = models.config(name, **overrides)
     m = Mesh.parse(mesh)
     example = data.batch(0, batch_size=BATCH, seq_len=SEQ)
@@ -123,8 +124,8 @@ def bench_cpu(quick: bool) -> None:
     runs = []
     for model, mesh, options in CONFIGS[::3] if quick else CONFIGS:
         job = (planner_worker.measure, model[0], model[1], mesh, BATCH, SEQ, options, 2, 3 if quick else 7)
-        runs.append((model[0], mesh, options, lambda p, model=model, mesh=mesh, options=options: planned(
-            model, mesh, options, p), job))
+        runs.append((model[0], mesh, options, lambda p, model=model, mesh=mesh, options=options, **kw: planned(
+            model, mesh, options, p, **kw), job))
     _against_ranks(runs)
 
 
@@ -134,12 +135,13 @@ def bench_hf(quick: bool) -> None:
     runs = []
     for family, mesh, options in HF_CONFIGS[::3] if quick else HF_CONFIGS:
         job = (planner_worker.measure_hf, family, mesh, BATCH, SEQ, options, 2, 3 if quick else 7)
-        runs.append((family, mesh, options, lambda p, family=family, mesh=mesh, options=options: planned_hf(
-            family, mesh, options, p), job))
+        runs.append((family, mesh, options, lambda p, family=family, mesh=mesh, options=options, **kw: planned_hf(
+            family, mesh, options, p, **kw), job))
     _against_ranks(runs)
 
 
-def planned_hf(family: str, mesh: str, options: dict, profile):
+def planned_hf(family: str, mesh: str, options: dict, profile, **extra):
+    options = {**options, **extra}
     m = Mesh.parse(mesh)
     plan = compile_model(planner_worker.hf_model(family), mesh=m, rules=planner_worker.hf_rules(family, m),
                          example_kwargs=planner_worker.hf_batch(0, BATCH, SEQ), estimate_memory=True,
@@ -152,7 +154,7 @@ def _against_ranks(runs: list) -> None:
     real ranks; the table, each error, and the Spearman correlation of the two rankings."""
     profile = device_profile("cpu")
     print(f"profile: {profile.name} ({profile.source})\n")
-    rows, preds, meas, mem_errs = [], [], [], []
+    rows, preds, meas, mem_errs, loads = [], [], [], [], []
     for name, mesh, options, plan_of, job in runs:
         plan, pred = plan_of(profile)
         n = Mesh.parse(mesh).size
@@ -162,6 +164,13 @@ def _against_ranks(runs: list) -> None:
         coords = [Mesh.parse(mesh).coords(r) for r in range(n)]
         planned_peaks = [plan.rank_memory(c.get(plan.pp_axis) if plan.stages else None).peak for c in coords]
         mem_err = max(abs(p / q - 1) for p, q in zip(peaks, planned_peaks))
+        load = measured_load(mesh, [g["routing"] for g in got])
+        if load is not None:  # the plan at the routing the ranks measured: its busiest rank against theirs
+            loaded, _ = plan_of(profile, expert_load=load)
+            busiest = max(loaded.rank_memory(c.get(loaded.pp_axis) if loaded.stages else None).peak for c in coords)
+            loads.append((name, mesh, f"{load:.2f}", f"{max(planned_peaks) / MiB:.1f}", f"{busiest / MiB:.1f}",
+                          f"{max(peaks) / MiB:.1f}", f"{max(peaks) / max(planned_peaks) - 1:+.1%}",
+                          f"{max(peaks) / busiest - 1:+.1%}"))  # fmt: skip
         err = pred.step_time / measured - 1
         preds.append(pred.step_time)
         meas.append(measured)
@@ -179,6 +188,37 @@ def _against_ranks(runs: list) -> None:
                     "measured peak MiB", "peak error (worst rank)"), rows))  # fmt: skip
     print(f"\nSpearman {spearman(preds, meas):.3f}; step error mean {statistics.mean(errs):.1%}, max {max(errs):.1%}; "
           f"peak error mean {statistics.mean(mem_errs):.1%}, max {max(mem_errs):.1%}")
+    if loads:
+        print("\nMoE rows planned at the routing the ranks measured (`expert_load`), busiest rank:\n")
+        print(markdown(("model", "mesh", "measured load", "even plan MiB", "plan at the load MiB", "measured MiB",
+                        "error, even plan", "error, plan at the load"), loads))  # fmt: skip
+
+
+def measured_load(mesh: str, routing: list[dict]) -> float | None:
+    """The `expert_load` of the busiest ep rank from each rank's tokens per expert (per router, in the tracked
+    step): the ranks that exchange tokens (one coordinate of every axis but ep) send each ep rank the pairs
+    for its experts; a rank's load in a layer is what it receives over the mean, and its memory follows its
+    load averaged over the layers (every layer keeps its rows for backward). None without routers."""
+    m = Mesh.parse(mesh)
+    if "ep" not in m.axis_names or not routing or not routing[0]:
+        return None
+    ep = m.axis_size("ep")
+    groups: dict = {}
+    for r, counts in enumerate(routing):
+        key = tuple((a, i) for a, i in m.coords(r).items() if a != "ep")
+        groups.setdefault(key, []).append(counts)
+    busiest = 0.0
+    for ranks in groups.values():
+        per_rank = [0.0] * ep
+        for name in ranks[0]:
+            total = [sum(c[name][e] for c in ranks) for e in range(len(ranks[0][name]))]
+            share = len(total) // ep
+            got = [sum(total[j * share : (j + 1) * share]) for j in range(ep)]
+            mean = sum(got) / ep
+            for j in range(ep):
+                per_rank[j] += got[j] / mean / len(ranks[0])
+        busiest = max(busiest, *per_rank)
+    return max(1.0, busiest)
 
 
 # -- (b) --------------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def build(name: str, overrides: dict):
 
 
 def measure(name: str, overrides: dict, mesh: str, batch: int, seq: int, options: dict, warmup: int, steps: int):
-    """{"times": seconds per step (the slowest rank's, each step alone), "peak": this rank's peak bytes}."""
+    """{"times": seconds per step (the slowest rank's, each step alone), "peak": this rank's peak bytes,
+    "routing": per router, the tokens per expert this rank routed in the tracked step}."""
     torch.use_deterministic_algorithms(False)  # as under plain torchrun
     cfg, init = build(name, overrides)
     m = Mesh.parse(mesh)
@@ -57,7 +58,8 @@ def _timed(par, batches: list, warmup: int, steps: int) -> dict:
     with PeakTracker(device="cpu") as tracker:
         tracker.baseline(list(par.parameters()) + list(par.buffers()) + state)
         par.train_step(batches[0], opt)
-    return {"times": times, "median": statistics.median(times), "peak": tracker.peak}
+    routing = {k: v.tolist() for k, v in par.routing.last.items()} if par.routing is not None else {}
+    return {"times": times, "median": statistics.median(times), "peak": tracker.peak, "routing": routing}
 
 
 # -- transformers' models: built from small configs with random weights (no download), as the tests build them --

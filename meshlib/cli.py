@@ -126,14 +126,24 @@ def _positive(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _float(text: str, least: float, strict: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not positive")
+    if not (value > least if strict else value >= least) or value == float("inf"):
+        side = "above" if strict else "of at least"
+        bound = "positive" if strict and least == 0 else f"a finite number {side} {least:g}"
+        raise argparse.ArgumentTypeError(f"{text} is not {bound}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    return _float(text, 0, strict=True)
+
+
+def _load(text: str) -> float:
+    return _float(text, 1, strict=False)  # 1: an even share; the busiest rank draws more
 
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -232,7 +242,10 @@ def _common(p: argparse.ArgumentParser, *, own_models: bool) -> None:
         "--split-points", type=_split_points, default=None, metavar="I,J,..",
         help="layers where pipeline stages 2, 3, ... begin, e.g. 4,9,14 (default: balanced by --balance)",
     )  # fmt: skip
-    p.add_argument("--balance", default=PIPE.balance, choices=BALANCE, help="pipeline stage cost to balance")
+    p.add_argument(
+        "--balance", default=PIPE.balance, choices=BALANCE,
+        help="what pipeline stages share evenly: FLOPs, parameters, or layers (Megatron's even split)",
+    )  # fmt: skip
     p.add_argument(
         "--uneven", default=PAR.uneven, choices=UNEVEN_POLICIES,
         help="a dim its axes do not divide: an error (JAX's rule), or torch.chunk's block sizes",
@@ -250,7 +263,7 @@ def _common(p: argparse.ArgumentParser, *, own_models: bool) -> None:
         help="MoE experts take at most ceil(C*T*k/E) of each rank's pairs, dropping the rest (default: dropless)",
     )  # fmt: skip
     p.add_argument(
-        "--expert-load", type=float, default=PAR.expert_load, metavar="R",
+        "--expert-load", type=_load, default=PAR.expert_load, metavar="R",
         help="plans give each ep rank's dropless experts R times an even share of the tokens (default 1: even)",
     )  # fmt: skip
     p.add_argument(

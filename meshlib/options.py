@@ -30,7 +30,7 @@ from .spec import P
 RECOMPUTE = ("none", "block", "selective")
 CP_METHODS = ("ring", "all-gather", "all-to-all")  # context parallelism's attention across the cp ranks
 CP_LAYOUTS = ("zigzag", "contiguous")  # where each cp rank's tokens lie in the sequence
-BALANCE = ("flops", "params")
+BALANCE = ("flops", "params", "layers")
 
 
 def _set(obj, name: str, value) -> None:
@@ -116,8 +116,10 @@ class Parallelism(_Options):
 class Pipelining(_Options):
     """The `microbatches` a step's batch holds: with a pipeline axis (`pp_axis` in the mesh) the
     pipeline's, run by `schedule` with `chunks` stages per rank, split at `split_points` (the layers
-    where stages 2, 3, ... begin) or balanced by `balance` ("flops" or "params"); else gradient
-    accumulation's."""
+    where stages 2, 3, ... begin) or balanced by `balance`: "flops" or "params" (each stage's share, the
+    first's embedding and the last's head included), or "layers" (as many layers a stage, the first and
+    last giving up one each where they do not divide: `meshlib.schedules.even_layers`, Megatron's split and
+    the one the planner prices); else gradient accumulation's."""
 
     microbatches: int = 1
     schedule: str = "1f1b"

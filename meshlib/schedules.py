@@ -273,6 +273,22 @@ def splits_backward(name: str) -> bool:
     return resolve_schedule(name, None)[0] in _SPLIT_BACKWARD
 
 
+def even_layers(layers: int, stages: int) -> list[int]:
+    """Layers per pipeline stage, in stage order, spread evenly (Megatron's split): where they do not divide,
+    the first and the last stages (which also hold the embedding and the head) give up one layer each in
+    turn, as Llama 3 405B's 126 layers fill 128 virtual stages (Dubey et al. 2024, sec. 3.3.2)."""
+    per = -(-layers // stages)
+    counts = [per] * stages
+    deficit, k = per * stages - layers, 0
+    while deficit:
+        index = k // 2 if k % 2 == 0 else stages - 1 - k // 2
+        if counts[index]:
+            counts[index] -= 1
+            deficit -= 1
+        k += 1
+    return counts
+
+
 def resolve_schedule(name: str, v: int | None) -> tuple[str, int]:
     """The canonical name and chunk count for `name` (any accepted spelling) and `v`."""
     if not isinstance(name, str):

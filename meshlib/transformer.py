@@ -274,8 +274,8 @@ def workload(shape: ModelShape, config: StepConfig, *, batch: int, seq: int) -> 
     """One training step of `shape` run as `config`: `batch` sequences of `seq` tokens (global)."""
     m = _check(shape, config, batch, seq)
     v = config.chunks if config.pp > 1 else 1
-    split = _work.layer_split(shape, config.pp, v)
     name = resolve_schedule(config.schedule, config.chunks)[0] if config.pp > 1 else ""
+    split = _work.layer_split(shape, config.pp, v, zbv=name == "zbv")
     peaks = _split_peaks(shape, config, name, seq, m, v, split) if config.pp > 1 else ((1, 0),)
     stages = tuple(_stage(shape, config, name, seq, m, r, split[r], peaks[r]) for r in range(config.pp))
     return Workload(mesh=config.mesh, stages=stages, tokens=batch * seq,
@@ -294,9 +294,10 @@ def compute_bound(shape: ModelShape, config: StepConfig, *, batch: int, seq: int
     c = config if config.recompute == "none" else config.replace(recompute="none")
     v = c.chunks if c.pp > 1 else 1
     busiest = 0.0
-    for r, chunks in enumerate(_work.layer_split(shape, c.pp, v)):
+    zbv = c.pp > 1 and resolve_schedule(c.schedule, c.chunks)[0] == "zbv"
+    for r, chunks in enumerate(_work.layer_split(shape, c.pp, v, zbv)):
         dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
-        p = _passes(shape, c, c.microbatch, seq, dense, moe, r == 0, r == c.pp - 1)
+        p = _passes(shape, c, c.microbatch, seq, dense, moe, r == 0, r == (0 if zbv else c.pp - 1))
         t = compute_time(p.forward, profile, c.dtype) + compute_time(p.backward, profile, c.dtype)
         busiest = max(busiest, t)
     return busiest * m
@@ -356,17 +357,30 @@ def _split_peaks(shape: ModelShape, c: StepConfig, name: str, seq: int, m: int, 
 def waiting_peaks(name: str, p: int, m: int, v: int, weight: float) -> tuple[tuple[int, int], ...]:
     """Per rank of a schedule that splits backward, (chunks holding activations: from F to W, as torch's
     pipelining retains the graph through I; of them waiting: from I to W) at the moment `holding + weight *
-    waiting` peaks on the rank's own order."""
+    waiting` peaks on the rank's own order (the first such moment)."""
     out = []
-    for row in build_schedule(name, p, m, v if v > 1 else None).actions:
-        live = waiting = 0
+    for states in _waiting_states(name, p, m, v):
         best = (0, 0)
-        for a in row:
-            live += (a.kind == "F") - (a.kind in "BW")
-            waiting += (a.kind == "I") - (a.kind == "W")
+        for live, waiting in states:
             if live + weight * waiting > best[0] + weight * best[1]:
                 best = (live, waiting)
         out.append(best)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _waiting_states(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per rank, the distinct (holding, waiting) counts its order passes through, in the order first reached:
+    a search prices many weights on one schedule, and the schedule is built once for them."""
+    out = []
+    for row in build_schedule(name, p, m, v if v > 1 else None).actions:
+        live = waiting = 0
+        seen = {(0, 0): None}
+        for a in row:
+            live += (a.kind == "F") - (a.kind in "BW")
+            waiting += (a.kind == "I") - (a.kind == "W")
+            seen[live, waiting] = None
+        out.append(tuple(seen))
     return tuple(out)
 
 
@@ -387,7 +401,8 @@ def _stage(shape: ModelShape, c: StepConfig, name: str, seq: int, m: int, rank: 
     """The ranks at pipeline coordinate `rank` holding `peak` (chunk-microbatches holding activations, of them
     waiting for W) at their peak under schedule `name` (`_stage_of`: alike stages computed once, whatever they
     hold)."""
-    work, state, act, residue, head = _stage_of(shape, c, seq, m, rank == 0, rank == c.pp - 1, chunks)
+    last = 0 if name == "zbv" else c.pp - 1  # ZB-V's V: the last stage is on rank 0
+    work, state, act, residue, head = _stage_of(shape, c, seq, m, rank == 0, rank == last, chunks)
     full, waiting = peak
     received = _received(shape, c, name, seq, m, rank, len(chunks))
     return replace(work, memory=int(state + act * full + residue * waiting + head + received

@@ -23,7 +23,10 @@ Per layer and microbatch, with n = b·s/cp tokens on the rank, t = tp, e bytes p
 - **Activations kept** per layer (`layer_activation`): Korthikanti's walk in bytes, which for a GPT layer
   with dropout is sbh(34 + 5as/h) on one device, sbh(10 + 24/t + 5as/(ht)) under tensor parallelism,
   sbh(34/t + 5as/(ht)) with sequence parallelism, without the scores' 5as/(ht) under selective recompute,
-  and 2sbh (2sbh/t with sequence parallelism) under block recompute.
+  and 2sbh (2sbh/t with sequence parallelism) under block recompute. A mixture-of-experts layer keeps, per
+  (token, expert) pair, its row in expert order, the expert MLP's activations and its output row (the
+  combine's product with the routing weight needs it for the weight's gradient); and per token, the router's
+  input in fp32 (routers score in fp32, as DeepSeek-V3's does), its fp32 scores and its top-k selection.
 - **Waiting for the weight gradient** (`chunk_weight_residue`): in a zero-bubble schedule a chunk's input
   gradient (I) runs before its weight gradient (W). torch's pipelining runs I with the graph retained
   (`stage_backward_input`) and captures the gradients reaching the weights' ops, so until W the chunk
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .schedules import even_layers
 from .workload import Compute
 
 __all__ = [
@@ -57,26 +61,16 @@ class Passes:
     weight: Compute
 
 
-def layer_split(shape, pp: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per pipeline rank, per chunk: `(dense layers, MoE layers)`. Virtual stage k (of pp·v) lives on rank
-    k mod pp (Megatron's interleaving). Layers spread evenly; where they do not divide, the first and the
-    last virtual stages (which also hold the embedding and the head) give up one layer each in turn, as
-    Llama 3 405B's 126 layers fill 128 virtual stages (Dubey et al. 2024, sec. 3.3.2)."""
-    stages = pp * v
-    per = -(-shape.layers // stages)
-    counts = [per] * stages
-    deficit, k = per * stages - shape.layers, 0
-    while deficit:
-        index = k // 2 if k % 2 == 0 else stages - 1 - k // 2
-        if counts[index]:
-            counts[index] -= 1
-            deficit -= 1
-        k += 1
+def layer_split(shape, pp: int, v: int, zbv: bool = False) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per pipeline rank, per chunk in stage order: `(dense layers, MoE layers)`, the layers spread evenly
+    (`meshlib.schedules.even_layers`, what the backend's `balance="layers"` splits). Virtual stage k (of
+    pp·v) lives on rank k mod pp (Megatron's interleaving), or (`zbv`) on rank k for k < pp and 2·pp-1-k
+    after (ZB-V's V)."""
     dense_left, out = shape.layers - shape.moe_layers, [[] for _ in range(pp)]
-    for stage, count in enumerate(counts):
+    for stage, count in enumerate(even_layers(shape.layers, pp * v)):
         dense = min(count, dense_left)
         dense_left -= dense
-        out[stage % pp].append((dense, count - dense))
+        out[2 * pp - 1 - stage if zbv and stage >= pp else stage % pp].append((dense, count - dense))
     return tuple(tuple(row) for row in out)
 
 
@@ -297,14 +291,34 @@ def _kept(shape, c, b: int, seq: int, moe: bool) -> float:
         attention += 4 * b * shape.heads / t * (seq // c.cp)  # log-sum-exp per query row
     elif c.recompute == "none":
         attention += scores * (e + (1 + e if shape.dropout else 0))
+    if c.cp > 1:
+        attention += _context_kept(c, e, n, q, k, v, o)
     width = (shape.moe_ffn * shape.top_k + shape.moe_ffn * shape.shared_experts) if moe else shape.ffn
     mlp = e * n * width / t * ((2 if shape.gated else 1) + 1)  # activation input(s) and the second matrix's input
-    if moe:
-        mlp += e * n * shape.top_k * h  # tokens in expert order
+    if moe:  # each (token, expert) pair's row in expert order (the products' input) and its output, which the
+        pairs = n * shape.top_k  # combine keeps for the routing weights' gradient; four int64 permutations
+        mlp += 2 * e * pairs * h + 4 * 8 * pairs
+        mlp += n * (4 * h + 12 * shape.experts)  # the router's fp32 input copy, its scores and top-k choice
     if not c.fused_elementwise:  # unfused RMSNorm: its normalized input; unfused SwiGLU: the gate's activation
         norms_and_inputs += 2 * e * rows * h if shape.norm == "rmsnorm" else 0.0
         mlp += e * n * width / t if shape.gated else 0.0
     return norms_and_inputs + attention + mlp
+
+
+def _context_kept(c, e: int, n: int, q: float, k: float, v: float, o: float) -> float:
+    """What context-parallel attention keeps besides plain flash attention's q, k, v, output and log-sum-exp:
+    its output in the heads-first layout, which the model's reshape for the output projection copies; and,
+    unless selective recompute runs the core again, the ring's last K/V shard to arrive (`ring_attention`),
+    the all-gathered K and V (`allgather_attention`), or the fp32 queries and output of the all-to-all
+    method's core for 16-bit inputs (`ulysses_attention`)."""
+    out = e * n * o
+    if c.recompute != "none":
+        return out
+    if c.cp_method == "ring":
+        return out + e * n * (k + v)
+    if c.cp_method == "all-gather":
+        return out + e * n * (c.cp - 1) * (k + v)
+    return out + (4 * n * (q + o) if e < 4 else 0.0)
 
 
 def chunk_weight_residue(shape, c, b: int, seq: int, dense: int, moe: int) -> float:

@@ -142,6 +142,25 @@ def test_user_split_points_are_recorded_in_the_plan():
     assert compiled.plan.note_map["stage split"].endswith("balanced by user split points")
 
 
+def test_layers_balance_splits_as_the_planner_prices():
+    """balance="layers": 10 layers over 2 x 2 virtual stages hold 2, 3, 3, 2 (`even_layers`: the first and the
+    last, with the embedding and the head, give up a layer each), the stages the closed form's `layer_split`
+    puts on each rank; the plan says so."""
+    from meshlib import ModelShape
+    from meshlib.schedules import even_layers
+    from meshlib.transformer_work import layer_split
+
+    cfg = config("llama-tiny", n_layers=10)
+    compiled, stages, _ = _pipeline(cfg=cfg, microbatches=4, schedule="interleaved-1f1b", chunks=2, mesh="pp=2",
+                                    balance="layers")  # fmt: skip
+    counts = [b - a for a, b in stages.layers]
+    assert counts == even_layers(10, 4) == [2, 3, 3, 2]
+    shape = ModelShape(layers=10, hidden=32, heads=4, ffn=64, vocab=256)
+    by_rank = [[d for d, _ in row] for row in layer_split(shape, 2, 2)]
+    assert by_rank == [[counts[0], counts[2]], [counts[1], counts[3]]]
+    assert compiled.plan.note_map["stage split"] == "by layer FQN on the fx graph, balanced by layers"
+
+
 @pytest.mark.parametrize("mesh, options", [
     ("pp=4,tp=2", {"microbatches": 8, "sequence_parallel": True, "recompute": "block", "precision": "bf16"}),
     ("pp=4,dp=2", {"microbatches": 4, "schedule": "interleaved-1f1b", "zero": 2, "recompute": "selective"}),
@@ -161,10 +180,10 @@ def test_alike_stages_are_dry_run_once_and_plan_what_each_run_apart_would(monkey
                              estimate_memory=True, **options).plan  # fmt: skip
 
     keys, key = [], dryrun.stage_key
-    monkeypatch.setattr(dryrun, "stage_key", lambda c, s: keys.append(key(c, s)) or keys[-1])
+    monkeypatch.setattr(dryrun, "stage_key", lambda c, s, *a: keys.append(key(c, s, *a)) or keys[-1])
     once = plan()
     assert len(set(keys)) < len(keys), len(keys)
-    monkeypatch.setattr(dryrun, "stage_key", lambda c, s: s)
+    monkeypatch.setattr(dryrun, "stage_key", lambda c, s, *a: s)
     apart = plan()
     assert once.stage_memory == apart.stage_memory
     assert once.compute == apart.compute and len(once.compute) == 4

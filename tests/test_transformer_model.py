@@ -158,6 +158,15 @@ def test_llama3_layers_fill_virtual_stages():
     assert {sum(d for d, _ in row) for row in split[1:15]} == {8}
 
 
+def test_zbv_puts_each_ranks_two_stages_on_the_v():
+    """ZB-V: rank r holds stages r and 2p-1-r, so rank 0 holds both the first and the last stage, and with 14
+    layers over 8 stages gives up a layer in each."""
+    shape = ModelShape(layers=14, hidden=128, heads=8, ffn=256, vocab=100)
+    assert layer_split(shape, 4, 2, zbv=True) == (((1, 0), (1, 0)), ((2, 0), (2, 0)), ((2, 0), (2, 0)),
+                                                  ((2, 0), (2, 0)))  # fmt: skip
+    assert layer_split(shape, 4, 2)[0] == ((1, 0), (2, 0)) and layer_split(shape, 4, 2)[3] == ((2, 0), (1, 0))
+
+
 def test_errors_name_the_field_and_the_fix():
     with pytest.raises(ValueError, match="kv_heads=3"):
         ModelShape(layers=2, hidden=64, heads=4, kv_heads=3, ffn=128, vocab=10)

@@ -70,7 +70,8 @@ def torch_runtime() -> dict:
 def _pipeline(c) -> dict:
     if c.pp == 1:
         return {}
-    return {"schedule": c.schedule, "chunks": c.chunks if c.schedule == "interleaved-1f1b" else None}
+    chunks = c.chunks if c.schedule == "interleaved-1f1b" else None
+    return {"schedule": c.schedule, "chunks": chunks, "balance": "layers"}  # the split the search priced
 
 
 def auto_plans(
@@ -126,6 +127,7 @@ def _options(c, batch: int) -> dict:
     opts |= {"microbatches": m} if m > 1 else {}
     if c.pp > 1:
         opts |= {"schedule": c.schedule} | ({"chunks": c.chunks} if c.schedule == "interleaved-1f1b" else {})
+        opts |= {"balance": "layers"}  # the split the search priced
     opts |= {"cp_method": c.cp_method} if c.cp > 1 else {}
     opts |= {"precision": "bf16"} if c.dtype == "bfloat16" else {}
     return opts

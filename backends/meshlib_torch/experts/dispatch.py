@@ -99,9 +99,15 @@ def _dropless(pairs, flat, gate_up, down, axis, n: int) -> torch.Tensor:
         rows = lax.all_to_all_v(rows, axis, send_rows, recv_rows, price=price)
     regroup = _by_local_expert(arriving, local, n, sum(recv_rows))
     out = expert_mlp(rows.index_select(0, regroup), group_rows, gate_up, down)
-    out = torch.empty_like(out).index_copy(0, regroup, out)  # back in arrival order
+    out = out.index_select(0, _inverse(regroup))  # back in arrival order
     home = out if axis is None else lax.all_to_all_v(out, axis, recv_rows, send_rows, price=price)
-    return torch.empty_like(home).index_copy(0, order, home)
+    return home.index_select(0, _inverse(order))
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `perm`. Rows go back with `index_select` (whose backward keeps only the
+    index), not `index_copy`, whose backward keeps its source: a whole (pairs, H) buffer per layer."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
 
 def _host_counts(counts, arriving, pairs: int, local: int, n: int) -> tuple[list[int], list[int]]:
@@ -131,7 +137,9 @@ def _capped(pairs, flat, gate_up, down, axis, n: int, cap: int) -> torch.Tensor:
     place = positions(flat, experts)
     DROPPED.note((place >= cap).sum())
     slot = torch.where(place < cap, flat * cap + place, experts * cap)  # dropped: a spare last row
-    buf = pairs.new_zeros((experts * cap + 1, hidden)).index_copy(0, slot, pairs)[:-1]
+    source = torch.full((experts * cap + 1,), pairs.shape[0], device=slot.device)  # unfilled: the zero row
+    source = source.scatter_(0, slot, torch.arange(pairs.shape[0], device=slot.device))[:-1]  # (the spare row goes)
+    buf = torch.cat([pairs, pairs.new_zeros((1, hidden))]).index_select(0, source)
     rows = buf if axis is None else lax.all_to_all(buf, axis, 0, 0, tiled=True)  # [source][local expert][slot]
     rows = rows.reshape(n, local, cap, hidden).transpose(0, 1).reshape(local * n * cap, hidden)
     out = expert_mlp(rows, [n * cap] * local, gate_up, down)

@@ -267,9 +267,10 @@ class StageRun:
     compute: StageCompute = StageCompute()  # what one microbatch computes on this stage, pass by pass
 
 
-def _stage_run(compiled: Compiled, s: int, split: bool = False) -> StageRun:
+def _stage_run(compiled: Compiled, s: int, split: bool = False, inputs: tuple | None = None) -> StageRun:
     """One microbatch through stage `s` on meta tensors (`split`: its backward as an I then a W action,
-    through torch's own `stage_backward_input` / `stage_backward_weight`)."""
+    through torch's own `stage_backward_input` / `stage_backward_weight`); `inputs`: the stage's boundary
+    values, where the caller has made them."""
     stages, opts = compiled.stages, compiled.options
     gm, by_name = dry_module(compiled, stages.graphs[s])
     params = list(by_name.values())
@@ -280,7 +281,8 @@ def _stage_run(compiled: Compiled, s: int, split: bool = False) -> StageRun:
         for name, child in list(gm.named_children()):
             if name.startswith("layer_"):
                 setattr(gm, name, Recompute(child, opts.recompute))
-    inputs = boundary_values(compiled, stages.inputs[s], "meta", stages.layouts)
+    if inputs is None:
+        inputs = _stage_inputs(compiled, s)
     tracker, counter = PeakTracker(), OpCounter()
     with tracker, counter:
         run = _stage_pass(gm, params, inputs, tracker, counter, split)
@@ -290,16 +292,33 @@ def _stage_run(compiled: Compiled, s: int, split: bool = False) -> StageRun:
     return dataclasses.replace(run, compute=compute)
 
 
-def stage_key(compiled: Compiled, s: int) -> tuple:
+def _stage_inputs(compiled: Compiled, s: int) -> tuple:
+    return boundary_values(compiled, compiled.stages.inputs[s], "meta", compiled.stages.layouts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lookups:
+    """What `stage_key` looks nodes up in, built once for all of a model's stages."""
+
+    comms: dict
+    specials: dict
+    parts: dict  # node name -> its part, where recompute splits the stages into parts
+
+    @classmethod
+    def of(cls, compiled: Compiled) -> _Lookups:
+        parts = {n.name: k for n, k in compiled.parts.items()} if compiled.options.recompute != "none" else {}
+        return cls({c.name: c for c in compiled.comms}, {c.name: c for c in compiled.specials}, parts)
+
+
+def stage_key(compiled: Compiled, s: int, inputs: tuple, lookups: _Lookups) -> tuple:
     """What decides stage `s`'s dry run, with node names left out: each node's op and target, its arguments
     (earlier nodes by position), the local shape and dtype of what it reads, its collective's layouts, its
-    part (pre, a layer, post: by order within the stage) and the boundary values it receives. Two stages
-    with the same key run the same ops on the same shapes (a deep model's middle stages do)."""
+    part (pre, a layer, post: by order within the stage) and the boundary values it receives (`inputs`).
+    Two stages with the same key run the same ops on the same shapes (a deep model's middle stages do)."""
     graph, opts = compiled.stages.graphs[s], compiled.options
     compute = getattr(torch, opts.precision.param)
-    comms, specials = {c.name: c for c in compiled.comms}, {c.name: c for c in compiled.specials}
+    comms, specials, parts = lookups.comms, lookups.specials, lookups.parts
     params, buffers = compiled.traced.params, compiled.buffers
-    parts = {n.name: k for n, k in compiled.parts.items()} if opts.recompute != "none" else {}
     order = {k: i for i, k in enumerate(sorted({parts[n.name] for n in graph.nodes if n.name in parts}))}
     index = {n: i for i, n in enumerate(graph.nodes)}
     at = lambda a: ("node", index[a]) if isinstance(a, fx.Node) else a  # noqa: E731
@@ -319,7 +338,6 @@ def stage_key(compiled: Compiled, s: int) -> tuple:
             target = index[n]
         args = repr(fx.node.map_aggregate((n.args, n.kwargs), at))
         key.append((n.op, target if n.op != "call_function" else repr(target), args, order.get(parts.get(n.name))))
-    inputs = boundary_values(compiled, compiled.stages.inputs[s], "meta", compiled.stages.layouts)
     return tuple(key), tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs)
 
 
@@ -366,11 +384,12 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
     the most in flight plus the transient of the action running then (`_stage_run`), and the buffers
     the stages receive into (`_receive_buffers`). Also, per stage, what one microbatch computes there."""
     split = any(a.kind == "I" for actions in core.actions for a in actions)
-    runs, done = [], {}
+    runs, done, lookups = [], {}, _Lookups.of(compiled)
     for s in range(len(compiled.stages.graphs)):  # alike stages (a deep model's middle ones) run once
-        key = stage_key(compiled, s)
+        inputs = _stage_inputs(compiled, s)
+        key = stage_key(compiled, s, inputs, lookups)
         if key not in done:
-            done[key] = _stage_run(compiled, s, split)
+            done[key] = _stage_run(compiled, s, split, inputs)
         runs.append(done[key])
     recv = _receive_buffers(compiled.stages, core)
     opts = compiled.options

@@ -55,22 +55,23 @@ def compile_pipeline(
     _check_recompute(core, options.recompute)
     micro = call.micro(microbatches)
     layers = layer_paths(model)
+    by = "params" if balance == "params" else "flops"  # "layers" splits evenly; its stages' costs in FLOPs
     try:
         compiled = compile_graph(
             model, micro, mesh=mesh, rules=rules, options=options, estimate_kept=estimate_memory,
-            count_flops=balance == "flops",
+            count_flops=balance != "params",
         )  # fmt: skip
     except Untraceable as reason:
-        costs = layer_costs(model, layers, micro, by=balance)
-        ranges = stage_ranges(costs, p * core.v, split_points=split_points)
+        costs = layer_costs(model, layers, micro, by=by)
+        ranges = stage_ranges(costs, p * core.v, split_points=split_points, even=balance == "layers")
         compiled, stages = split_eager(
             model, reason=reason, mesh=mesh, call=micro, layers=layers, ranges=ranges, costs=costs, options=options,
             pp_axis=pp_axis, microbatches=microbatches,
         )  # fmt: skip
         split, eager = "by module FQN on the eager model", True
     else:
-        costs = graph_costs(compiled, model, layers, by=balance)
-        ranges = stage_ranges(costs, p * core.v, split_points=split_points)
+        costs = graph_costs(compiled, model, layers, by=by)
+        ranges = stage_ranges(costs, p * core.v, split_points=split_points, even=balance == "layers")
         stages = build_stages(
             compiled.graph, compiled.parts, ranges, len(layers), compiled.axes, compiled.plans, compiled.comms,
             compiled.input_layouts,

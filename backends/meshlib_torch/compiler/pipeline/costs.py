@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from meshlib.cost import min_max_partition
+from meshlib.schedules import even_layers
 
 
 @dataclass(frozen=True)
@@ -156,9 +157,12 @@ def _outermost(when: dict[str, set[str]], phase: str) -> tuple[str, ...]:
     return tuple(n for n in names if not any(n.startswith(f"{o}.") for o in names))
 
 
-def stage_ranges(costs: LayerCosts, n_stages: int, *, split_points: list[int] | None = None) -> list[tuple[int, int]]:
-    """`[(start, stop), ...]` layer ranges: the user's split points, else the min-max partition
-    (the first and last stage's extra cost included)."""
+def stage_ranges(
+    costs: LayerCosts, n_stages: int, *, split_points: list[int] | None = None, even: bool = False
+) -> list[tuple[int, int]]:
+    """`[(start, stop), ...]` layer ranges: the user's split points, else (`even`) as many layers a stage
+    (`meshlib.schedules.even_layers`), else the min-max partition (the first and last stage's extra cost
+    included)."""
     n = len(costs.layers)
     if n_stages > n:
         raise ValueError(
@@ -173,6 +177,9 @@ def stage_ranges(costs: LayerCosts, n_stages: int, *, split_points: list[int] | 
                 f"where stages 2..{n_stages} begin"
             )
         edges = [0, *points, n]
+        return list(zip(edges, edges[1:]))
+    if even:
+        edges = [0, *itertools.accumulate(even_layers(n, n_stages))]
         return list(zip(edges, edges[1:]))
     return min_max_partition(costs.layers, n_stages, first=costs.first, last=costs.last)
 
