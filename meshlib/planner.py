@@ -44,7 +44,7 @@ __all__ = ["Candidate", "MESHLIB_RUNTIME", "SIMPLER", "search"]
 # (torch 2.13's, the input's and the output gradient's; the torch backend says what the installed torch keeps:
 # `meshlib_torch.planner.torch_runtime`)
 MESHLIB_RUNTIME = {"flash": True, "dp_overlap": True, "tp_overlap": "none", "fused_elementwise": False,
-                   "recv_buffers": 2}  # fmt: skip
+                   "recv_buffers": 2, "main_grads": False}  # fmt: skip
 GIB = 1 << 30
 _RECOMPUTE = ("none", "selective", "block")
 

@@ -206,6 +206,8 @@ class StepConfig:
       weight-gradient product of the same linear (and sequence parallelism's re-gather behind the
       input-gradient product); "all": every tensor-parallel collective behind a matrix product;
     - `reduce_dtype`: the dtype gradients accumulate and reduce in (Megatron's fp32 main grads);
+    - `main_grads`: below ZeRO-2 each rank keeps its gradients in `reduce_dtype` (Megatron's main grads);
+      False: in the compute dtype (meshlib's runtime at ZeRO-0/1). ZeRO-2/3 keep `reduce_dtype` shards;
     - `fused_accumulation`: the weight-gradient product adds into that buffer itself (Megatron's gradient
       accumulation fusion, from February 2022); False: a separate add per weight and microbatch;
     - `fused_elementwise`: RMSNorm and SwiGLU are fused kernels that keep only their inputs for backward
@@ -238,6 +240,7 @@ class StepConfig:
     dp_overlap: bool = True
     tp_overlap: str = "none"
     reduce_dtype: str = "float32"
+    main_grads: bool = True
     fused_accumulation: bool = True
     fused_elementwise: bool = True
     async_p2p: bool = True
@@ -406,20 +409,42 @@ def _stage(shape: ModelShape, c: StepConfig, name: str, seq: int, m: int, rank: 
     full, waiting = peak
     received = _received(shape, c, name, seq, m, rank, len(chunks))
     transient = _weight_pass(shape, c, name, chunks) + _recomputed(shape, c, seq, chunks)
-    return replace(work, memory=int(state + act * full + residue * waiting + head + received + transient))
+    update = _update(shape, c, chunks, rank == 0, rank == last)
+    return replace(work, memory=int(state + received + max(act * full + residue * waiting + head + transient, update)))
+
+
+def _update(shape: ModelShape, c: StepConfig, chunks: tuple, first: bool, last: bool) -> float:
+    """What the optimizer step holds above the model state in meshlib's runtime (`main_grads=False`; Megatron's
+    fused optimizer is left out): under mixed precision below ZeRO-2, a full-precision copy of each gradient
+    it steps on, kept until the update ends; and torch's AdamW, one tensor at a time, two full-precision
+    temporaries the size of the largest (`meshlib_torch`'s `stepmem` measures both on meta tensors)."""
+    if c.main_grads:
+        return 0.0
+    dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
+    params = _work.stage_params(shape, c, dense, moe, embed=first, head=last)
+    shards = (c.dp * c.cp * c.ep, c.dp * c.cp)
+    stepped = sum(p / (n if c.zero else 1) for p, n in zip(params, shards))
+    copies = 4 * stepped if ITEMSIZE[c.dtype] < 4 and c.zero < 2 else 0.0
+    largest = _work.largest_tensor(shape, c, dense, moe, embed=first, head=last)
+    return copies + 8 * largest / (shards[0] if c.zero else 1)
 
 
 def _recomputed(shape: ModelShape, c: StepConfig, seq: int, chunks: tuple) -> float:
     """What backward holds at once under block recompute: one layer's activations, made again by its
-    recomputed forward (the rank's largest layer). The dry run holds 1.26 of a layer then on llama-small, the
-    gradients in flight included; without recompute it holds 0.3 of a layer beyond what forward kept, and the
-    closed form leaves both of those out."""
+    recomputed forward, and the gradients of its MLP's widest activations as its backward makes them (the
+    rank's largest layer). Without recompute backward also holds those gradients beyond what forward kept
+    (0.3 of a layer on llama-small); the closed form leaves that out."""
     if c.recompute != "block":
         return 0.0
-    again, b = c.replace(recompute="none"), c.microbatch
-    dense, moe = any(d for d, _ in chunks), any(x for _, x in chunks)
-    return max(_work.chunk_activation(shape, again, b, seq, 1, 0) if dense else 0.0,
-               _work.chunk_activation(shape, again, b, seq, 0, 1) if moe else 0.0)  # fmt: skip
+    again, b, e = c.replace(recompute="none"), c.microbatch, ITEMSIZE[c.dtype]
+    n = b * seq // c.cp
+    out = []
+    for kind, (dense, moe) in (("dense", (1, 0)), ("moe", (0, 1))):
+        if any(d if kind == "dense" else x for d, x in chunks):
+            width = shape.ffn if kind == "dense" else shape.moe_ffn * (shape.top_k + shape.shared_experts)
+            grads = e * n * width / c.tp * (2 if shape.gated else 1)
+            out.append(_work.chunk_activation(shape, again, b, seq, dense, moe) + grads)
+    return max(out, default=0.0)
 
 
 def _weight_pass(shape: ModelShape, c: StepConfig, name: str, chunks: tuple) -> float:

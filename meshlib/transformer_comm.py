@@ -140,11 +140,13 @@ def step_comm(params: tuple[float, float], c, m: int, *, tied: bool, embed_bytes
 
 def model_state(params: tuple[float, float], c) -> float:
     """Bytes of parameters, gradients and optimizer state per rank (`meshlib.cost.zero_memory`; gradients in
-    `reduce_dtype`: Megatron's fp32 main gradients add 2 bytes a parameter to the ZeRO paper's 16)."""
+    `reduce_dtype`, from ZeRO-2 or with `main_grads`: Megatron's fp32 main gradients add 2 bytes a parameter
+    to the ZeRO paper's 16)."""
     mixed = ITEMSIZE[c.dtype] < 4
+    wide = mixed and (c.zero >= 2 or c.main_grads)  # gradients kept in reduce_dtype
     total = 0.0
     for count, n in ((params[0], c.dp * c.cp * c.ep), (params[1], c.dp * c.cp)):
         state = zero_memory(count, n, zero=c.zero, mixed=mixed, itemsize=4)
-        extra = (ITEMSIZE[c.reduce_dtype] - ITEMSIZE[c.dtype]) * count / (n if c.zero >= 2 else 1) if mixed else 0.0
+        extra = (ITEMSIZE[c.reduce_dtype] - ITEMSIZE[c.dtype]) * count / (n if c.zero >= 2 else 1) if wide else 0.0
         total += state.total + max(0.0, extra)
     return total

@@ -271,6 +271,19 @@ def stage_params(shape, c, dense: int, moe: int, *, embed: bool, head: bool) -> 
     return outside, experts
 
 
+def largest_tensor(shape, c, dense: int, moe: int, *, embed: bool, head: bool) -> float:
+    """Elements of the largest parameter tensor a rank of this stage holds: a projection or MLP matrix, the
+    local experts' stacked matrices (one tensor, E/ep x 2·moe_ffn x hidden), the embedding or the head."""
+    t, h = c.tp, shape.hidden
+    q, k, v, o = widths(shape, t)
+    sizes = [h * max(q, k, v, o)] if dense or moe else []
+    sizes += [h * shape.ffn / t] if dense else []
+    if moe:
+        sizes += [h * 2 * shape.moe_ffn * shape.experts / c.ep / t, h * shape.moe_ffn * shape.shared_experts / t]
+    sizes += [shape.vocab * h / t] if embed or head else []
+    return max(sizes, default=0.0)
+
+
 def chunk_activation(shape, c, b: int, seq: int, dense: int, moe: int) -> float:
     """Bytes one microbatch leaves for backward in `dense` and `moe` layers of a chunk (see the module)."""
     return dense * _kept(shape, c, b, seq, False) + moe * _kept(shape, c, b, seq, True)
