@@ -300,7 +300,7 @@ def compute_bound(shape: ModelShape, config: StepConfig, *, batch: int, seq: int
     zbv = c.pp > 1 and resolve_schedule(c.schedule, c.chunks)[0] == "zbv"
     for r, chunks in enumerate(_work.layer_split(shape, c.pp, v, zbv)):
         dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
-        p = _passes(shape, c, c.microbatch, seq, dense, moe, r == 0, r == (0 if zbv else c.pp - 1))
+        p = _passes(shape, c, c.microbatch, seq, dense, moe, r == 0, r == _head_rank("zbv" if zbv else "", c.pp))
         t = compute_time(p.forward, profile, c.dtype) + compute_time(p.backward, profile, c.dtype)
         busiest = max(busiest, t)
     return busiest * m
@@ -404,24 +404,26 @@ def _stage(shape: ModelShape, c: StepConfig, name: str, seq: int, m: int, rank: 
     """The ranks at pipeline coordinate `rank` holding `peak` (chunk-microbatches holding activations, of them
     waiting for W) at their peak under schedule `name` (`_stage_of`: alike stages computed once, whatever they
     hold)."""
-    last = 0 if name == "zbv" else c.pp - 1  # ZB-V's V: the last stage is on rank 0
-    work, state, act, residue, head = _stage_of(shape, c, seq, m, rank == 0, rank == last, chunks)
+    first, last = rank == 0, rank == _head_rank(name, c.pp)
+    work, state, act, residue, head, recomputed, update = _stage_of(shape, c, seq, m, first, last, chunks)
     full, waiting = peak
     received = _received(shape, c, name, seq, m, rank, len(chunks))
-    transient = _weight_pass(shape, c, name, chunks) + _recomputed(shape, c, seq, chunks)
-    update = _update(shape, c, chunks, rank == 0, rank == last)
+    transient = _weight_pass(shape, c, name, chunks) + recomputed
     return replace(work, memory=int(state + received + max(act * full + residue * waiting + head + transient, update)))
 
 
-def _update(shape: ModelShape, c: StepConfig, chunks: tuple, first: bool, last: bool) -> float:
+def _head_rank(name: str, pp: int) -> int:
+    """The pipeline rank holding the last stage (the head) under schedule `name`: rank 0 on ZB-V's V."""
+    return 0 if name == "zbv" else pp - 1
+
+
+def _update(shape: ModelShape, c: StepConfig, dense: int, moe: int, params: tuple, first: bool, last: bool) -> float:
     """What the optimizer step holds above the model state in meshlib's runtime (`main_grads=False`; Megatron's
     fused optimizer is left out): under mixed precision below ZeRO-2, a full-precision copy of each gradient
     it steps on, kept until the update ends; and torch's AdamW, one tensor at a time, two full-precision
     temporaries the size of the largest (`meshlib_torch`'s `stepmem` measures both on meta tensors)."""
     if c.main_grads:
         return 0.0
-    dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
-    params = _work.stage_params(shape, c, dense, moe, embed=first, head=last)
     shards = (c.dp * c.cp * c.ep, c.dp * c.cp)
     stepped = sum(p / (n if c.zero else 1) for p, n in zip(params, shards))
     copies = 4 * stepped if ITEMSIZE[c.dtype] < 4 and c.zero < 2 else 0.0
@@ -438,13 +440,10 @@ def _recomputed(shape: ModelShape, c: StepConfig, seq: int, chunks: tuple) -> fl
         return 0.0
     again, b, e = c.replace(recompute="none"), c.microbatch, ITEMSIZE[c.dtype]
     n = b * seq // c.cp
-    out = []
-    for kind, (dense, moe) in (("dense", (1, 0)), ("moe", (0, 1))):
-        if any(d if kind == "dense" else x for d, x in chunks):
-            width = shape.ffn if kind == "dense" else shape.moe_ffn * (shape.top_k + shape.shared_experts)
-            grads = e * n * width / c.tp * (2 if shape.gated else 1)
-            out.append(_work.chunk_activation(shape, again, b, seq, dense, moe) + grads)
-    return max(out, default=0.0)
+    kinds = [moe for moe in (False, True) if any(x if moe else d for d, x in chunks)]
+    return max((_work.chunk_activation(shape, again, b, seq, int(not moe), int(moe))
+                + e * n * _work.mlp_width(shape, moe) / c.tp * (2 if shape.gated else 1) for moe in kinds),
+               default=0.0)  # fmt: skip
 
 
 def _weight_pass(shape: ModelShape, c: StepConfig, name: str, chunks: tuple) -> float:
@@ -463,17 +462,18 @@ def _received(shape: ModelShape, c: StepConfig, name: str, seq: int, m: int, ran
     (on rank 0 where the stages run down and back up, a V)."""
     if c.pp == 1 or not c.recv_buffers:
         return 0.0
-    last = 0 if name == "zbv" else c.pp - 1
+    last = _head_rank(name, c.pp)
     buffers = v - (rank == 0) + (v - (rank == last) if c.recv_buffers > 1 else 0)
     return m * buffers * _comm.send_bytes(shape, c, c.microbatch * seq // c.cp)
 
 
 @functools.lru_cache(maxsize=1 << 17)
 def _stage_of(shape: ModelShape, c: StepConfig, seq: int, m: int, first: bool, last: bool,
-              chunks: tuple) -> tuple[StageWork, float, float, float, float]:  # fmt: skip
+              chunks: tuple) -> tuple[StageWork, float, float, float, float, float, float]:  # fmt: skip
     """The ranks holding `chunks` (`(dense, moe)` layers each): the embedding on the first, the head and loss on
     the last. Their work (memory 0), and the bytes of their model state, of one chunk-microbatch's
-    activations, of its residue while it waits for W, and of the head's logits."""
+    activations, of its residue while it waits for W, of the head's logits, of a layer recomputed in backward
+    (`_recomputed`) and of the optimizer step (`_update`)."""
     b = c.microbatch
     n = b * seq // c.cp
     dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
@@ -490,7 +490,9 @@ def _stage_of(shape: ModelShape, c: StepConfig, seq: int, m: int, first: bool, l
         step_comm=_comm.step_comm(params, c, m, tied=tied, embed_bytes=shape.vocab * shape.hidden / c.tp),
         optimizer=_optimizer(params, c), memory=0,
     )  # fmt: skip
-    return work, _comm.model_state(params, c), act, residue, _work.head_activation(shape, c, n) if last else 0.0
+    head = _work.head_activation(shape, c, n) if last else 0.0
+    return (work, _comm.model_state(params, c), act, residue, head, _recomputed(shape, c, seq, chunks),
+            _update(shape, c, dense, moe, params, first, last))  # fmt: skip
 
 
 _PASSES: dict = {}

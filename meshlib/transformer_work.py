@@ -284,6 +284,11 @@ def largest_tensor(shape, c, dense: int, moe: int, *, embed: bool, head: bool) -
     return max(sizes, default=0.0)
 
 
+def mlp_width(shape, moe: bool) -> float:
+    """A token's MLP width: the dense MLP's, or a MoE layer's top-k routed experts' and shared experts'."""
+    return shape.moe_ffn * (shape.top_k + shape.shared_experts) if moe else shape.ffn
+
+
 def chunk_activation(shape, c, b: int, seq: int, dense: int, moe: int) -> float:
     """Bytes one microbatch leaves for backward in `dense` and `moe` layers of a chunk (see the module)."""
     return dense * _kept(shape, c, b, seq, False) + moe * _kept(shape, c, b, seq, True)
@@ -306,7 +311,7 @@ def _kept(shape, c, b: int, seq: int, moe: bool) -> float:
         attention += scores * (e + (1 + e if shape.dropout else 0))
     if c.cp > 1:
         attention += _context_kept(c, e, n, q, k, v, o)
-    width = (shape.moe_ffn * shape.top_k + shape.moe_ffn * shape.shared_experts) if moe else shape.ffn
+    width = mlp_width(shape, moe)
     mlp = e * n * width / t * ((2 if shape.gated else 1) + 1)  # activation input(s) and the second matrix's input
     if moe:  # each (token, expert) pair's row in expert order (the products' input) and its output, which the
         pairs = n * shape.top_k  # combine keeps for the routing weights' gradient; four int64 permutations
@@ -345,7 +350,7 @@ def _residue(shape, c, b: int, seq: int, moe: bool) -> float:
     n = b * seq // c.cp
     rows = n / t if c.sp else n
     q, k, v, _ = widths(shape, t)
-    width = (shape.moe_ffn * shape.top_k + shape.moe_ffn * shape.shared_experts) if moe else shape.ffn
+    width = mlp_width(shape, moe)
     up = (2 if shape.gated else 1) * width / t
     # under sequence parallelism the attention's and the MLP's inputs are all-gathered values, kept as shards
     # and gathered again when backward unpacks them: I does, for the input gradient, and they stay for W
