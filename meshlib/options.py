@@ -119,7 +119,8 @@ class Pipelining(_Options):
     where stages 2, 3, ... begin) or balanced by `balance`: "flops" or "params" (each stage's share, the
     first's embedding and the last's head included), or "layers" (as many layers a stage, the first and
     last giving up one each where they do not divide: `meshlib.schedules.even_layers`, Megatron's split and
-    the one the planner prices); else gradient accumulation's."""
+    the one the planner prices; up to two stages more than layers, the first holding only the embedding and
+    the last only the head, as Llama 3 405B's 126 layers on 128 stages); else gradient accumulation's."""
 
     microbatches: int = 1
     schedule: str = "1f1b"

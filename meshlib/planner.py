@@ -183,11 +183,11 @@ def _schedules(shape: ModelShape, pp: int, m: int, exhaustive: bool):
     if exhaustive:
         yield "gpipe", 1
     for v in (2, 3, 4, 6, 8) if exhaustive else (2, 4, 8):
-        if pp * v <= shape.layers and m % pp == 0:
+        if pp * v <= shape.layers + 2 and m % pp == 0:  # the first and last stage may hold no layer
             yield "interleaved-1f1b", v
     if m >= pp:
         yield "zb-h1", 1
-    if m >= 2 * pp - 1 and 2 * pp <= shape.layers:
+    if m >= 2 * pp - 1 and 2 * pp <= shape.layers + 2:
         yield "zbv", 2
 
 

@@ -322,6 +322,9 @@ def _check(shape: ModelShape, c: StepConfig, batch: int, seq: int) -> int:
         problems.append(f"ep={c.ep} must divide experts={shape.experts}")
     if shape.layers < c.pp:
         problems.append(f"pp={c.pp} stages need at least as many layers (layers={shape.layers})")
+    elif c.pp > 1 and c.pp * c.chunks > shape.layers + 2:
+        problems.append(f"pp x chunks = {c.pp * c.chunks} stages: at most layers + 2 = {shape.layers + 2}, the "
+                        "first and the last holding only the embedding and the head")  # fmt: skip
     if problems:
         raise ValueError("workload: " + "; ".join(problems))
     return batch // (data * c.microbatch)
@@ -344,16 +347,64 @@ def _peaks(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
 
 
 def _split_peaks(shape: ModelShape, c: StepConfig, name: str, seq: int, m: int, v: int, split: tuple) -> tuple:
-    """Per pipeline rank, (chunk-microbatches holding their activations, of them those waiting for their
-    weight gradient) at its peak under schedule `name` (canonical): `_peaks` and none waiting where backward
-    is not split, else counted on the schedule (`waiting_peaks`), a waiting chunk weighing its activations and
-    its residue."""
-    if not splits_backward(name):
-        return tuple((k, 0) for k in _peaks(c.schedule, c.pp, m, v))
-    dense, moe = max(split[0], key=lambda dm: dm[0] + dm[1])
-    act = _work.chunk_activation(shape, c, c.microbatch, seq, dense, moe)
-    res = _work.chunk_weight_residue(shape, c, c.microbatch, seq, dense, moe)
-    return waiting_peaks(name, c.pp, m, v, round(res / act, 2) if act else 0.0)
+    """Per pipeline rank, (chunk-microbatches holding activations, of them waiting for their weight gradient)
+    at its peak under schedule `name` (canonical), in units of the rank's largest chunk (`_stage_of`'s `act`
+    and `residue`): where the rank's chunks are alike, `_peaks` and none waiting where backward is not split,
+    else counted on the schedule (`waiting_peaks`), a waiting chunk weighing its activations and its residue;
+    where they differ (uneven layers, a stage with only the embedding or the head), each chunk weighed by its
+    own (`_weighted_peak`)."""
+    split_backward = splits_backward(name)
+    out = []
+    for r, chunks in enumerate(split):
+        act, res = _chunk_bytes(shape, c, seq, chunks)
+        top, top_res = max(act), max(res)
+        if len(set(act)) == 1 and len(set(res)) == 1:
+            out.append(waiting_peaks(name, c.pp, m, v, round(top_res / top, 2) if top else 0.0)[r] if split_backward
+                       else (_peaks(c.schedule, c.pp, m, v)[r], 0))  # fmt: skip
+        elif top:
+            out.append((_weighted_peak(name, c.pp, m, v, r, act, res if split_backward else (0.0,) * len(act)) / top,
+                        0))  # fmt: skip
+        else:
+            out.append((0, 0))
+    return tuple(out)
+
+
+def _chunk_bytes(shape: ModelShape, c: StepConfig, seq: int, chunks: tuple) -> tuple[tuple, tuple]:
+    """Per chunk (`(dense, moe)` layers, in stage order), one microbatch's activations and its residue while it
+    waits for W: its layers' (`chunk_activation`, `chunk_weight_residue`), or for a chunk without a layer (the
+    embedding alone, or the head alone) the hidden state it keeps for backward, one send's bytes."""
+    b = c.microbatch
+    one = [(f(shape, c, b, seq, 1, 0), f(shape, c, b, seq, 0, 1) if shape.moe_layers else 0.0)  # chunks add them
+           for f in (_work.chunk_activation, _work.chunk_weight_residue)]  # fmt: skip
+    row = _comm.send_bytes(shape, c, b * seq // c.cp)
+    return tuple(tuple(d * a + x * m if d + x else (row if kind == 0 else 0.0) for d, x in chunks)
+                 for kind, (a, m) in enumerate(one))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _weighted_peak(name: str, p: int, m: int, v: int, rank: int, act: tuple, residue: tuple) -> float:
+    """The most bytes rank `rank` holds at once, its chunks (in stage order) holding `act` bytes a microbatch
+    from F to B (to W where backward is split) and, waiting for W, `residue` more."""
+    return max(sum(n * a for n, a in zip(state, act + residue)) for state in _chunk_states(name, p, m, v)[rank])
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_states(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank, the distinct states its order passes through: per chunk (in stage order) the microbatches
+    holding activations, then per chunk those waiting for W."""
+    out = []
+    for row in build_schedule(name, p, m, v if v > 1 else None).actions:
+        local = {stage: i for i, stage in enumerate(sorted({a.stage for a in row}))}
+        k = len(local)
+        state = [0] * (2 * k)
+        seen = {tuple(state): None}
+        for a in row:
+            i = local[a.stage]
+            state[i] += (a.kind == "F") - (a.kind in "BW")
+            state[k + i] += (a.kind == "I") - (a.kind == "W")
+            seen[tuple(state)] = None
+        out.append(tuple(seen))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -479,9 +530,7 @@ def _stage_of(shape: ModelShape, c: StepConfig, seq: int, m: int, first: bool, l
     dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
     passes = _passes(shape, c, b, seq, dense, moe, first, last)
     params = _work.stage_params(shape, c, dense, moe, embed=first, head=last)
-    per = [(f(shape, c, b, seq, 1, 0), f(shape, c, b, seq, 0, 1) if moe else 0.0)  # a layer's; chunks add them
-           for f in (_work.chunk_activation, _work.chunk_weight_residue)]  # fmt: skip
-    act, residue = (max(d * one + x * other for d, x in chunks) for one, other in per)
+    act, residue = (max(per) for per in _chunk_bytes(shape, c, seq, chunks))
     tied = shape.tied and c.pp > 1 and (first or last)
     work = StageWork(
         forward=passes.forward, backward=passes.backward, recompute=passes.recompute, weight=passes.weight,

@@ -223,3 +223,15 @@ def test_simulated_bubbles_match_the_closed_forms_used_in_the_benchmark():
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"):
         sim = simulate(schedule(name, 4, 8), t_f=1.0, t_b=2.0, t_w=1.0)
         assert sim.bubble == pytest.approx(bubble_formula(name, 4, 8))
+
+
+@pytest.mark.parametrize("sched, mesh, layers", [("interleaved-1f1b", "pp=2", 2), ("zbv", "pp=2", 2),
+                                                 ("interleaved-1f1b", "pp=2,tp=2", 6)])  # fmt: skip
+def test_stages_with_only_the_embedding_or_the_head(sched, mesh, layers):
+    """balance="layers" with two stages more than layers (Llama 3 405B's 126 layers on 128 stages): the first
+    stage holds the embedding alone, the last the norm and the head alone, and training matches."""
+    result = _check(model="llama-tiny", mesh=mesh, microbatches=4, schedule=sched, balance="layers",
+                    chunks=(layers + 2) // 2, sequence_parallel="tp" in mesh, overrides={"n_layers": layers})  # fmt: skip
+    stages = result.plan.stages
+    assert len(stages) == layers + 2 and stages[0].modules == stages[-1].modules == ()
+    assert [s.modules for s in stages[1:-1]] == [(f"layers.{i}",) for i in range(layers)]

@@ -144,3 +144,17 @@ def test_tp_with_an_untraceable_model_fails_on_every_rank_before_any_communicati
         assert re.search(both, text), text
         assert "also asks for tp=2" in text and "use a mesh with only dp and pp" in text
         assert calls == 0 and meshes == 0
+
+
+def test_stages_with_only_the_embedding_or_the_head():
+    """The split by module FQN with balance="layers" and two stages more than layers: the first stage stops
+    after the embedding, the last takes the hidden state into its norm and head."""
+    run = RunConfig(model="llama-tiny", mesh="pp=2", microbatches=4, schedule="interleaved-1f1b", chunks=2,
+                    balance="layers", overrides={"n_layers": 2}, model_class=UntraceableLlama)  # fmt: skip
+    results = get_pool(2).run(train_parallel, run)
+    assert compare(train_reference(run), results[0], run.tolerance)["loss"] < 1e-12
+    sent, planned = pipeline_sends(results)
+    assert planned["forward"] > 0 and sent == planned
+    stages = results[0].plan.stages
+    assert [s.modules for s in stages] == [(), ("layers.0",), ("layers.1",), ()]
+    assert results[0].plan.note_map["stage split"] == "by module FQN on the eager model, balanced by layers"

@@ -390,6 +390,20 @@ def test_a_pipelines_memory_per_rank_is_the_closed_forms(schedule, chunks):
     assert closed.index(max(closed)) == counted.index(max(counted)) == (0 if "zb" not in schedule else 3)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_stages_without_a_layer_hold_what_the_closed_form_says(schedule):
+    """6 layers on 8 stages (as Llama 3 405B's 126 on 128): the first stage holds only the embedding, the last
+    only the head, and each chunk a rank holds is weighed by its own layers at the schedule's peak (the
+    largest chunk times the chunks in flight said 2x rank 0's interleaved peak). Every rank within 5% of the
+    dry run, but ZB-V's rank 0, whose two stages hold no layer, at a tenth of the busiest rank's."""
+    config = StepConfig(dp=1, tp=1, pp=4, microbatch=1, dtype="float32", schedule=schedule, chunks=2, **RUNTIME)
+    closed, counted = _pipeline_memory(models.config("llama-small", n_layers=6, max_seq_len=1024), config, 8, 1024)
+    alike = closed[1:] if schedule == "zbv" else closed
+    assert all(abs(b / a - 1) < 0.05 for a, b in zip(alike, counted[-len(alike):])), (closed, counted)
+    assert closed.index(max(closed)) == counted.index(max(counted))
+    assert schedule != "zbv" or max(counted) > 8 * counted[0]
+
+
 def test_block_recompute_holds_a_recomputed_layer_in_backward():
     """1F1B on pp=4 with block recompute (llama-small, 8 layers, 8 microbatches of 4 x 256 tokens, bf16): each
     microbatch in flight keeps only its layers' inputs, and backward makes one layer's activations again at a

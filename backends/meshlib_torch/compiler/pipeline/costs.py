@@ -161,14 +161,18 @@ def stage_ranges(
     costs: LayerCosts, n_stages: int, *, split_points: list[int] | None = None, even: bool = False
 ) -> list[tuple[int, int]]:
     """`[(start, stop), ...]` layer ranges: the user's split points, else (`even`) as many layers a stage
-    (`meshlib.schedules.even_layers`), else the min-max partition (the first and last stage's extra cost
-    included)."""
+    (`meshlib.schedules.even_layers`; with up to two stages more than layers, the first and the last hold only
+    the embedding and the head, as Llama 3 405B's 126 layers fill 128 stages), else the min-max partition (the
+    first and last stage's extra cost included)."""
     n = len(costs.layers)
-    if n_stages > n:
+    if n_stages > n + (2 if even else 0):
+        fix = f"{n + 2} with balance='layers', whose first and last stages may hold only the embedding and the head"
         raise ValueError(
-            f"{n_stages} pipeline stages but the model has {n} layers; each stage needs at least one. "
-            f"Fix: use at most {n} stages (pp x chunks per rank), or a deeper model"
-        )
+            f"{n_stages} pipeline stages but the model has {n} layers; "
+            + (f"at most the first and the last stage can be without one. Fix: use at most {n + 2} stages"
+               if even else f"each stage needs at least one. Fix: use at most {n} stages, or {fix}")
+            + " (pp x chunks per rank), or a deeper model"
+        )  # fmt: skip
     if split_points is not None:
         points = sorted(split_points)
         if len(points) != n_stages - 1 or points[0] <= 0 or points[-1] >= n or len(set(points)) != len(points):

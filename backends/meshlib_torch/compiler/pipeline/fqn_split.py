@@ -166,14 +166,17 @@ def stage_modules(model: nn.Module, layers: list[str], ranges: list[tuple[int, i
         for i, path in enumerate(layers):
             if not a <= i < b:
                 _swap(stage, path, _PassThrough())
+        # a stage without a layer (the embedding alone, or the head alone: `even_layers`) hooks the pass-through
+        # layer next to where its layers would be
+        first, last = layers[min(a, len(layers) - 1)], layers[max(b - 1, 0)]
         if s > 0:
             for path in before:
                 _swap(stage, path, _Received(cut))
-            stage.get_submodule(layers[a]).register_forward_pre_hook(partial(_take_received, cut, layers[a]))
+            stage.get_submodule(first).register_forward_pre_hook(partial(_take_received, cut, first))
         if not cut.last:
             for path in after:
                 _swap(stage, path, _PassThrough())
-            stage.get_submodule(layers[b - 1]).register_forward_hook(_stop)
+            stage.get_submodule(last).register_forward_hook(_stop)
         stage.__class__ = _stage_class(type(model))
         stage.meshlib_cut = cut
         out.append(stage)
@@ -200,7 +203,7 @@ def _meta_run(modules: list[nn.Module], layers: list[str], ranges, inputs: tuple
     """Run the stages in turn on meta: each stage's hidden output (last: the loss), and the inputs it reads."""
     outs, reads, hidden = [], [], None
     for mod, (_, b) in zip(modules, ranges, strict=True):
-        cut = mod.meshlib_cut
+        cut, b = mod.meshlib_cut, max(b, 1)
         cut.receives = tuple(range(len(inputs))) if cut.index else ()
         with _Touches(inputs) as seen, torch.no_grad():
             out = mod(*inputs) if cut.index == 0 else mod(hidden, *inputs)
@@ -297,7 +300,8 @@ def _stages(modules, layers: list[str], ranges, local: tuple, names: list[str], 
     ins = [local] + [(hidden[b], *(local[i] for i in sent[b])) for b in range(n - 1)]
     outs = ins[1:] + [(hidden[-1],)]
     sends = [
-        (_boundary(layers[ranges[b][1] - 1], hidden[b], True), *(_boundary(names[i], local[i], False) for i in sent[b]))
+        (_boundary(layers[max(ranges[b][1], 1) - 1], hidden[b], True),
+         *(_boundary(names[i], local[i], False) for i in sent[b]))
         for b in range(n - 1)
     ] + [()]
     params = [{aliases.get(name, name) for name, _ in mod.named_parameters(remove_duplicate=False)} for mod in modules]
