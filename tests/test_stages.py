@@ -108,8 +108,20 @@ def test_split_points_override_the_cost_and_are_checked():
     assert stage_ranges(costs, 3, split_points=[1, 5]) == [(0, 1), (1, 5), (5, 6)]
     with pytest.raises(ValueError, match=r"split points \[1, 6\] must be 2 distinct layer indices in 1..5"):
         stage_ranges(costs, 3, split_points=[1, 6])
-    with pytest.raises(ValueError, match="7 pipeline stages but the model has 6 layers"):
+    with pytest.raises(ValueError, match="7 pipeline stages but the model has 6 layers; each stage needs at "
+                                         "least one. Fix: use at most 6 stages, or 8 with balance='layers'"):
         stage_ranges(costs, 7)
+
+
+def test_even_stages_may_leave_the_first_and_the_last_without_a_layer():
+    """balance="layers": 6 layers fill 8 stages, the first and the last (the embedding's and the head's) with
+    none; 9 stages would leave a middle one empty and are refused."""
+    costs = LayerCosts([1.0] * 6)
+    assert stage_ranges(costs, 8, even=True) == [(0, 0), *((i, i + 1) for i in range(6)), (6, 6)]
+    assert stage_ranges(costs, 7, even=True) == [(0, 0), *((i, i + 1) for i in range(6))]
+    with pytest.raises(ValueError, match="9 pipeline stages but the model has 6 layers; at most the first and the "
+                                         "last stage can be without one. Fix: use at most 8 stages"):
+        stage_ranges(costs, 9, even=True)
 
 
 def _pipeline(**kw):

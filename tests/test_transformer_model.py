@@ -9,6 +9,7 @@ against `meshlib.cost.tp_comm_bytes` and `dp_comm_bytes`; the published table (b
 within the target error; and, with torch, the collectives of a compiled plan of the bundled Llama.
 """
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -165,6 +166,18 @@ def test_zbv_puts_each_ranks_two_stages_on_the_v():
     assert layer_split(shape, 4, 2, zbv=True) == (((1, 0), (1, 0)), ((2, 0), (2, 0)), ((2, 0), (2, 0)),
                                                   ((2, 0), (2, 0)))  # fmt: skip
     assert layer_split(shape, 4, 2)[0] == ((1, 0), (2, 0)) and layer_split(shape, 4, 2)[3] == ((2, 0), (1, 0))
+
+
+def test_the_first_and_the_last_stage_may_hold_no_layer():
+    """Llama 3 405B's 126 layers on 16 ranks of 8 chunks: the first stage holds only the embedding, the last
+    only the head; one stage more would leave a middle one empty and is refused."""
+    shape = ModelShape(layers=126, hidden=128, heads=8, ffn=256, vocab=100)
+    split = layer_split(shape, 16, 8)
+    assert split[0][0] == (0, 0) and split[15][7] == (0, 0) and sum(d for row in split for d, _ in row) == 126
+    config = StepConfig(dp=1, tp=1, pp=16, schedule="interleaved-1f1b", chunks=8, microbatch=1)
+    assert len(workload(shape, config, batch=16, seq=64).stages) == 16
+    with pytest.raises(ValueError, match="pp x chunks = 128 stages: at most layers \\+ 2 = 127"):
+        workload(dataclasses.replace(shape, layers=125), config, batch=16, seq=64)
 
 
 def test_errors_name_the_field_and_the_fix():
