@@ -361,9 +361,8 @@ def _split_peaks(shape: ModelShape, c: StepConfig, name: str, seq: int, m: int, 
         if len(set(act)) == 1 and len(set(res)) == 1:
             out.append(waiting_peaks(name, c.pp, m, v, round(top_res / top, 2) if top else 0.0)[r] if split_backward
                        else (_peaks(c.schedule, c.pp, m, v)[r], 0))  # fmt: skip
-        elif top:
-            out.append((_weighted_peak(name, c.pp, m, v, r, act, res if split_backward else (0.0,) * len(act)) / top,
-                        0))  # fmt: skip
+        elif top:  # nothing waits for W where backward is not split: the residues weigh nothing there
+            out.append((_weighted_peak(name, c.pp, m, v, r, act, res) / top, 0))
         else:
             out.append((0, 0))
     return tuple(out)
@@ -374,11 +373,11 @@ def _chunk_bytes(shape: ModelShape, c: StepConfig, seq: int, chunks: tuple) -> t
     waits for W: its layers' (`chunk_activation`, `chunk_weight_residue`), or for a chunk without a layer (the
     embedding alone, or the head alone) the hidden state it keeps for backward, one send's bytes."""
     b = c.microbatch
-    one = [(f(shape, c, b, seq, 1, 0), f(shape, c, b, seq, 0, 1) if shape.moe_layers else 0.0)  # chunks add them
-           for f in (_work.chunk_activation, _work.chunk_weight_residue)]  # fmt: skip
+    layer = [(f(shape, c, b, seq, 1, 0), f(shape, c, b, seq, 0, 1) if shape.moe_layers else 0.0)  # chunks add them
+             for f in (_work.chunk_activation, _work.chunk_weight_residue)]  # fmt: skip
     row = _comm.send_bytes(shape, c, b * seq // c.cp)
-    return tuple(tuple(d * a + x * m if d + x else (row if kind == 0 else 0.0) for d, x in chunks)
-                 for kind, (a, m) in enumerate(one))  # fmt: skip
+    return tuple(tuple(d * dense + x * moe if d + x else (row if kind == 0 else 0.0) for d, x in chunks)
+                 for kind, (dense, moe) in enumerate(layer))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)

@@ -106,6 +106,20 @@ def rules_llama(mesh: ml.Mesh):
 
 
 # -- families whose released configs set a padding row and fuse projections of unequal parts ----
+def rules_hf(mesh: ml.Mesh):
+    """Megatron's split of Llama and Qwen2 (Qwen2's q, k, v biases split with their rows)."""
+    tp = "tp" if "tp" in mesh else None
+    return ml.pattern_rules(
+        {
+            "model.embed_tokens.weight": ml.P(tp, None), "**.self_attn.[qkv]_proj.weight": ml.P(tp, None),
+            "**.self_attn.[qkv]_proj.bias": ml.P(tp), "**.self_attn.o_proj.weight": ml.P(None, tp),
+            "**.mlp.gate_proj.weight": ml.P(tp, None), "**.mlp.up_proj.weight": ml.P(tp, None),
+            "**.mlp.down_proj.weight": ml.P(None, tp), "lm_head.weight": ml.P(tp, None),
+        },
+        default=ml.P(),
+    )  # fmt: skip
+
+
 def build_gemma(dtype=torch.float32) -> nn.Module:
     """Gemma: an embedding with `padding_idx` 0 (as its released config), scaled, tied to the head."""
     tf = _quiet_transformers()

@@ -355,18 +355,7 @@ def build_hf_qwen2() -> nn.Module:
     return rm.build_hf("Qwen2", torch.float64, use_sliding_window=False)
 
 
-def rules_hf(mesh):
-    """Megatron's split of Llama and Qwen2 (Qwen2's q, k, v biases split with their rows)."""
-    tp = "tp" if "tp" in mesh else None
-    return ml.pattern_rules(
-        {
-            "model.embed_tokens.weight": ml.P(tp, None), "**.self_attn.[qkv]_proj.weight": ml.P(tp, None),
-            "**.self_attn.[qkv]_proj.bias": ml.P(tp), "**.self_attn.o_proj.weight": ml.P(None, tp),
-            "**.mlp.gate_proj.weight": ml.P(tp, None), "**.mlp.up_proj.weight": ml.P(tp, None),
-            "**.mlp.down_proj.weight": ml.P(None, tp), "lm_head.weight": ml.P(tp, None),
-        },
-        default=ml.P(),
-    )  # fmt: skip
+rules_hf = rm.rules_hf
 
 
 HF = {"llama": build_hf_llama, "qwen2": build_hf_qwen2}

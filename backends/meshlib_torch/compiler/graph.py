@@ -23,6 +23,7 @@ from ..modules.recompute import Remat, gathers
 from .capture.attention import CP_AXIS, attention_as_regions, attention_regions
 from .capture.blocks import layer_paths, partition
 from .capture.call import Call
+from .capture.masks import causal_calls
 from .capture.moe import balancing_routers, check_moe, expert_weight_specs, experts_as_regions, full_buffers
 from .capture.trace import trace
 from .capture.values import annotate_run_dtypes
@@ -135,6 +136,7 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     gm = traced.gm
     fold_scalars(gm)  # first: export's dtype asserts name the traced dtypes, not the compute dtype's
     regions = attention_regions(gm, attention)
+    causal = causal_calls(gm) if not regions["calls"] else 0
     kept = full_buffers(model)
     annotate_run_dtypes(gm, call, compute, keep=kept)
     specs = _annotate.param_specs(traced.params, rules, mesh, traced.aliases, options.uneven)
@@ -182,6 +184,10 @@ def _compile(model, mesh, rules, call: Call, options: Parallelism, count_flops: 
     if regions["calls"]:
         note = _cp_note(regions, mesh, options.cp_method, options.cp_layout)
         plan = plan.replace(notes=(*plan.notes, ("context parallelism", note)))
+    if causal:
+        note = (f"{causal} attention calls given a causal mask built from the positions (as transformers builds "
+                "it while traced) run with is_causal=True instead: the kernel keeps no mask for backward")
+        plan = plan.replace(notes=(*plan.notes, ("causal masks", note)))
     if plain:
         note = ", ".join(plain) + ": the parts do not divide over the axes, so the split reads the output gathered"
         plan = plan.replace(notes=(*plan.notes, ("fused projections split as declared", note)))

@@ -6,6 +6,10 @@ mask depends on no input (the folded shapes aside), so it can be computed once w
 and compared with the causal pattern. Recognised, the call runs as causal attention: context parallelism
 then moves and stores no mask and skips the blocks a causal mask hides entirely.
 
+`causal_calls(gm)` does the same without context parallelism: each attention call given such a mask runs
+with `is_causal=True` (or no mask) instead, so the kernel keeps no (batch, heads, S, S) mask for backward, as
+the eager model would run it; the plan says how many.
+
 `constant_mask(gm, node)` is "causal" (True on and below the diagonal, or 0 there and a value that no score
 survives above it: -inf, or at most half the dtype's lowest), "none" (every key allowed everywhere),
 or None (it reads an input or a parameter, is larger than `LIMIT` elements, or is any other mask).
@@ -18,7 +22,7 @@ import torch.fx as fx
 
 from ..attrs import has_attr, resolve
 
-__all__ = ["LIMIT", "constant_mask"]
+__all__ = ["LIMIT", "causal_calls", "constant_mask"]
 
 LIMIT = 1 << 26  # elements a mask (or any value it is computed from) may have to be evaluated while compiling
 
@@ -42,6 +46,37 @@ def constant_mask(gm: fx.GraphModule, node: fx.Node) -> str | None:
     if bool(allowed.all()):
         return "none"
     return "causal" if bool((allowed == lower).all()) else None
+
+
+_SDPA = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+_MASK, _CAUSAL = 3, 5  # the positions of attn_mask and is_causal in the call's signature
+
+
+def causal_calls(gm: fx.GraphModule) -> int:
+    """Each `scaled_dot_product_attention` call of `gm` given a mask that `constant_mask` finds causal (or
+    allowing every key) runs with `is_causal=True` (or no mask) instead. Returns how many calls changed."""
+    from .effects import eliminate_dead_code
+
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _SDPA:
+            continue
+        args, kwargs = list(node.args), dict(node.kwargs)
+        mask = args[_MASK] if len(args) > _MASK else kwargs.get("attn_mask")
+        causal = args[_CAUSAL] if len(args) > _CAUSAL else kwargs.get("is_causal", False)
+        if not isinstance(mask, fx.Node) or causal is not False or (kind := constant_mask(gm, mask)) is None:
+            continue
+        for index, name, value in ((_MASK, "attn_mask", None), (_CAUSAL, "is_causal", kind == "causal")):
+            if len(args) > index:
+                args[index] = value
+            else:
+                kwargs[name] = value
+        node.args, node.kwargs = tuple(args), kwargs
+        changed += 1
+    if changed:
+        eliminate_dead_code(gm.graph)
+        gm.recompile()
+    return changed
 
 
 def _evaluate(gm: fx.GraphModule, node: fx.Node):
