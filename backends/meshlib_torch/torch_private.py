@@ -210,3 +210,14 @@ __all__ = [
     "view_base",
     "world_timeout",
 ]  # fmt: skip
+
+
+def default_store():
+    """The world group's key-value store (torchrun's rendezvous store), or None: the exit handshake
+    (`runtime.dist`) meets there, outside gloo, whose last collective must not race a peer's teardown."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError):
+        return None

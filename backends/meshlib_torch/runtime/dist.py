@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -33,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshlib import Mesh
 
-from ..torch_private import flatten_mesh, forget_mesh_specs, group_options, world_timeout
+from ..torch_private import default_store, flatten_mesh, forget_mesh_specs, group_options, world_timeout
 
 __all__ = ["device_type", "backend", "init", "device_mesh", "group", "shutdown", "start"]
 
@@ -69,7 +70,28 @@ def init(*, timeout: float = 120.0) -> None:
     c10d.init_process_group(backend(), timeout=timedelta(seconds=timeout))
     # the groups meshlib made are torn down before the interpreter finalizes: left to exit-time
     # destructors, a gloo group's threads can outlive it and abort the process (SIGABRT)
-    atexit.register(shutdown)
+    atexit.register(_exit)
+
+
+EXIT_WAIT = 10.0  # seconds a rank leaving waits for the others to leave too (a dead rank's never come)
+
+
+def _exit() -> None:
+    """At exit: wait until every rank has reached its exit (or `EXIT_WAIT` passed), then `shutdown`. A
+    rank that tore its gloo group down while a peer was still finishing the last collective with it made
+    the peer abort (SIGABRT, "terminate called without an active exception": 2 of 10 runs of `meshlib run
+    --export` on 2 ranks, whose last call is a collective); the ranks meet in the rendezvous store instead,
+    which no collective uses."""
+    store = default_store() if c10d.is_initialized() else None
+    if store is not None and c10d.get_world_size() > 1:
+        try:
+            store.add("meshlib/exit", 1)
+            deadline = time.monotonic() + EXIT_WAIT
+            while store.add("meshlib/exit", 0) < c10d.get_world_size() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        except (RuntimeError, ValueError):  # the store's host (rank 0's agent) gone: nothing to wait for
+            pass
+    shutdown()
 
 
 def start(mesh: Mesh, *, timeout: float | None = None) -> DeviceMesh:
