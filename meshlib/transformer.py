@@ -361,10 +361,8 @@ def _split_peaks(shape: ModelShape, c: StepConfig, name: str, seq: int, m: int, 
         if len(set(act)) == 1 and len(set(res)) == 1:
             out.append(waiting_peaks(name, c.pp, m, v, round(top_res / top, 2) if top else 0.0)[r] if split_backward
                        else (_peaks(c.schedule, c.pp, m, v)[r], 0))  # fmt: skip
-        elif top:  # nothing waits for W where backward is not split: the residues weigh nothing there
+        else:  # nothing waits for W where backward is not split: the residues weigh nothing there
             out.append((_weighted_peak(name, c.pp, m, v, r, act, res) / top, 0))
-        else:
-            out.append((0, 0))
     return tuple(out)
 
 
@@ -424,16 +422,12 @@ def waiting_peaks(name: str, p: int, m: int, v: int, weight: float) -> tuple[tup
 @functools.lru_cache(maxsize=256)
 def _waiting_states(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per rank, the distinct (holding, waiting) counts its order passes through, in the order first reached:
-    a search prices many weights on one schedule, and the schedule is built once for them."""
+    a search prices many weights on one schedule, and the schedule is built once for them (`_chunk_states`,
+    its chunks summed)."""
     out = []
-    for row in build_schedule(name, p, m, v if v > 1 else None).actions:
-        live = waiting = 0
-        seen = {(0, 0): None}
-        for a in row:
-            live += (a.kind == "F") - (a.kind in "BW")
-            waiting += (a.kind == "I") - (a.kind == "W")
-            seen[live, waiting] = None
-        out.append(tuple(seen))
+    for states in _chunk_states(name, p, m, v):
+        k = len(states[0]) // 2
+        out.append(tuple(dict.fromkeys((sum(s[:k]), sum(s[k:])) for s in states)))
     return tuple(out)
 
 

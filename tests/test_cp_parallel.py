@@ -223,7 +223,7 @@ def test_a_sequence_cp_does_not_divide_trains_in_torch_chunks_pieces_under_uneve
     process's (fp64, 1e-12 over 3 AdamW steps; transformers' fp32 loss to 1e-6) on every rank, and each rank counts
     the bytes its plan says, the ring's = (cp-1) hops of 2·B·H·ceil(S/cp)·D·8 per layer forward."""
     hf = name.startswith("hf-")
-    build_fn, rules = (build_hf_llama_ragged, rules_hf) if hf else MODELS[name]
+    build_fn, rules = (build_hf_llama_ragged, rm.rules_hf) if hf else MODELS[name]
     batch_fn = globals()[batch_fn]
     options = {"uneven": "chunk", "cp_layout": "contiguous", **options}
     trial = Trial(build_fn, batch_fn, mesh=mesh, rules=rules, lr=1e-3, options=options, loss="loss" if hf else None)
@@ -355,9 +355,6 @@ def build_hf_qwen2() -> nn.Module:
     return rm.build_hf("Qwen2", torch.float64, use_sliding_window=False)
 
 
-rules_hf = rm.rules_hf
-
-
 HF = {"llama": build_hf_llama, "qwen2": build_hf_qwen2}
 
 
@@ -372,7 +369,7 @@ def test_transformers_models_on_cp_train_as_the_unmodified_model(name, mesh):
     vocab-parallel (its fp32 sums in another order), the rest to fp32's 1e-5 (AdamW divides a near-zero gradient
     by its own size, so its fp32 noise reaches the parameter). The plan says the
     causal masks were recognised (no mask moves) and the key/value heads travel unrepeated."""
-    trial = Trial(HF[name], rm.hf_batch, mesh=mesh, rules=rules_hf, loss="loss", lr=1e-3)
+    trial = Trial(HF[name], rm.hf_batch, mesh=mesh, rules=rm.rules_hf, loss="loss", lr=1e-3)
     key = f"hf-{name}"
     if key not in _REFERENCES:
         _REFERENCES[key] = run_single(trial)
@@ -489,7 +486,7 @@ def test_transformers_sliding_windows_and_packed_rows_on_cp_train_as_the_unmodif
     restarting per document), on cp=2: the masks go into the ring split by query rows; fp64 parity (the fp32
     loss to 1e-6)."""
     build = {"mistral": build_hf_mistral, "llama": build_hf_llama}[name]
-    trial = Trial(build, batch_fn, mesh="cp=2", rules=rules_hf, loss="loss", lr=1e-3)
+    trial = Trial(build, batch_fn, mesh="cp=2", rules=rm.rules_hf, loss="loss", lr=1e-3)
     ref = run_single(trial)
     got = get_pool(2).run(run_parallel, trial)
     for rank in got:
@@ -703,7 +700,7 @@ def test_attention_written_out_is_found_and_trains_as_the_single_process(name, m
     if name == "written-out":
         trial, tol = Trial(build_written_out, written_batch, mesh=mesh, rules=rules_whole, lr=1e-3), 1e-12
     else:
-        trial, tol = Trial(build_hf_llama_eager, rm.hf_batch, mesh=mesh, rules=rules_hf, loss="loss", lr=1e-3), 1e-5
+        trial, tol = Trial(build_hf_llama_eager, rm.hf_batch, mesh=mesh, rules=rm.rules_hf, loss="loss", lr=1e-3), 1e-5
     ref = run_single(trial)
     got = get_pool(ml.Mesh.parse(mesh).size).run(run_parallel, trial)
     for rank in got:
