@@ -63,7 +63,8 @@ class ModelShape:
     head reuses the embedding. `norm`: "layernorm" (weight and bias) or "rmsnorm". `bias`: linear biases
     (GPT). `qkv_bias`: biases on the query, key and value projections alone (Qwen2). `positions`: learned
     position embeddings (GPT; 0: rotary). `dropout`: attention and hidden dropout during training (GPT-3,
-    Megatron's GPT; their masks are kept for backward)."""
+    Megatron's GPT; their masks are kept for backward). `norm_fp32`: the norms compute in fp32 whatever the
+    compute dtype (transformers' RMSNorm upcasts its input, and keeps that fp32 copy for backward)."""
 
     layers: int
     hidden: int
@@ -87,6 +88,7 @@ class ModelShape:
     positions: int = 0
     dropout: bool = False
     qkv_bias: bool = False
+    norm_fp32: bool = False
 
     def __post_init__(self):
         problems = _positive(self, ("layers", "hidden", "heads", "ffn", "vocab"))

@@ -27,6 +27,8 @@ Per layer and microbatch, with n = b·s/cp tokens on the rank, t = tp, e bytes p
   (token, expert) pair, its row in expert order, the expert MLP's activations and its output row (the
   combine's product with the routing weight needs it for the weight's gradient); and per token, the router's
   input in fp32 (routers score in fp32, as DeepSeek-V3's does), its fp32 scores and its top-k selection.
+  Unfused norms that compute in fp32 (`ModelShape.norm_fp32`: transformers' RMSNorm upcasts its input) keep
+  that fp32 copy instead of the input: 4 - e bytes an element more per norm.
 - **Waiting for the weight gradient** (`chunk_weight_residue`): in a zero-bubble schedule a chunk's input
   gradient (I) runs before its weight gradient (W). torch's pipelining runs I with the graph retained
   (`stage_backward_input`) and captures the gradients reaching the weights' ops, so until W the chunk
@@ -319,6 +321,8 @@ def _kept(shape, c, b: int, seq: int, moe: bool) -> float:
         mlp += n * (4 * h + 12 * shape.experts)  # the router's fp32 input copy, its scores and top-k choice
     if not c.fused_elementwise:  # unfused RMSNorm: its normalized input; unfused SwiGLU: the gate's activation
         norms_and_inputs += 2 * e * rows * h if shape.norm == "rmsnorm" else 0.0
+        if shape.norm_fp32:  # norms that upcast keep their input's fp32 copy, not the input
+            norms_and_inputs += 2 * (max(e, 4) - e) * rows * h
         mlp += e * n * width / t if shape.gated else 0.0
     return norms_and_inputs + attention + mlp
 

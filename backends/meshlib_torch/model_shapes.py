@@ -7,6 +7,10 @@ Three readers, tried in order by `model_shape`:
 3. the module itself (`module_shape`), for a user's own decoder: its repeated blocks, its token embedding,
    the linear layers of one block, an attribute naming the attention heads, its norms.
 
+Whichever reads it, a module's norms are run once on a bfloat16 input (meta tensors, no data) to read
+whether they compute in fp32 (`ModelShape.norm_fp32`: transformers' RMSNorm upcasts its input and keeps
+that copy for backward, which the closed form's activations count).
+
 Whatever reads the shape, the shape's exact parameter count must equal the module's own (tied weights
 once), or the reading is refused with both counts and the fix: a shape the planner would price wrongly is
 never used quietly.
@@ -14,7 +18,12 @@ never used quietly.
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 from torch import nn
+from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 
 from meshlib.transformer import ModelShape
 
@@ -38,10 +47,50 @@ def model_shape(model) -> ModelShape:
     if shape is None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"the planner reads a model's shape from a torch module or a config; got {type(model)}")
-        return module_shape(model)
-    if isinstance(model, nn.Module):
+        shape = module_shape(model)
+    elif isinstance(model, nn.Module):
         _same_count(shape, model, "its config")
-    return shape
+    return dataclasses.replace(shape, norm_fp32=norm_fp32(model)) if isinstance(model, nn.Module) else shape
+
+
+class _Upcasts(TorchFunctionMode):
+    """Records whether any torch function returns a float32 tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.seen |= isinstance(out, torch.Tensor) and out.dtype == torch.float32
+        return out
+
+
+def norm_fp32(model: nn.Module) -> bool:
+    """Whether the first repeated block's first norm (a leaf module holding only a weight, and a bias, of the
+    hidden width) computes in fp32 when its input and weights are bfloat16: run once on meta tensors. False
+    where the model has no such norm, or it does not run on meta tensors."""
+    blocks = _blocks(model)
+    norms = [m for m in (blocks[0].modules() if blocks is not None else ()) if _is_norm(m)]
+    if not norms:
+        return False
+    norm = norms[0]
+    width = norm.weight.shape[0]
+    params = {n: torch.empty(p.shape, dtype=torch.bfloat16, device="meta") for n, p in norm.named_parameters()}
+    probe = _Upcasts()
+    try:
+        with probe:
+            functional_call(norm, params, (torch.empty(1, 2, width, dtype=torch.bfloat16, device="meta"),))
+    except Exception:  # noqa: BLE001 - a norm that cannot run on meta tensors is read as computing in bf16
+        return False
+    return probe.seen
+
+
+def _is_norm(m: nn.Module) -> bool:
+    names = {n for n, _ in m.named_parameters(recurse=False)}
+    weight = getattr(m, "weight", None)
+    return (not list(m.children()) and names <= {"weight", "bias"} and isinstance(weight, torch.Tensor)
+            and weight.dim() == 1 and not isinstance(m, (nn.Linear, nn.Embedding)))  # fmt: skip
 
 
 def _config_shape(cfg) -> ModelShape | None:
