@@ -6,7 +6,7 @@ bf16. The bundled Llama trains 3 AdamW steps against the bf16 single-process run
 takes one step, whose loss and gradients are compared with the unmodified model cast to bf16 and
 run as it is (bf16 keeps 8 bits: the loss to 1e-2, each gradient to a tenth of its largest entry,
 sums taken in other orders). Every pipeline schedule, on pp=2 x tp=2 with sequence parallelism;
-and dp=2 x pp=2 x tp=2 with ZeRO-1 and block recompute.
+dp=2 x pp=2 x tp=2 with ZeRO-1 and block recompute; and stages holding only the embedding or the head.
 """
 
 import pytest
@@ -58,7 +58,7 @@ def build_llama4(dtype=torch.float32):
     return tf.LlamaForCausalLM(cfg).to(dtype).train()
 
 
-def _hf(mesh: str, **options) -> None:
+def _hf(mesh: str, **options):
     trial = Trial(build_llama4, rm.hf_batch, mesh=mesh, rules=rm.rules_llama, steps=1,
                   options=dict(sequence_parallel=True, precision="bf16", microbatches=4, **options))  # fmt: skip
     got = get_pool(Mesh.parse(mesh).size).run(run_parallel, trial)[0]
@@ -70,6 +70,7 @@ def _hf(mesh: str, **options) -> None:
     for n, p in model.named_parameters():
         scale = float(p.grad.float().abs().max())
         assert float((got.grads[n].float() - p.grad.float()).abs().max()) <= 0.1 * scale, n
+    return got
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -79,6 +80,15 @@ def test_transformers_llama_on_every_schedule(schedule):
 
 def test_transformers_llama_with_dp_zero1_and_block_recompute():
     _hf("dp=2,pp=2,tp=2", zero=1, recompute="block", schedule="1f1b")
+
+
+def test_transformers_llama_with_stages_of_only_the_embedding_or_the_head():
+    """Llama 3 405B's layout (126 layers on 128 virtual stages): 4 layers on 2 ranks of 3 chunks with
+    balance="layers", the first stage the embedding alone, the last the final norm and the head alone."""
+    got = _hf("pp=2,tp=2", schedule="interleaved-1f1b", chunks=3, balance="layers")
+    stages = got.plan.stages
+    assert len(stages) == 6 and stages[0].modules == stages[-1].modules == ()
+    assert [s.modules for s in stages[1:-1]] == [(f"model.layers.{i}",) for i in range(4)]
 
 
 def test_stage_boundaries_send_the_bf16_sequence_shard():
