@@ -55,7 +55,9 @@ class Link:
     `alpha` (`(kind, seconds)` pairs, `alpha_for`; measured by `meshlib calibrate`, where gloo's all-to-all
     and send/recv wait far less per step than its all-reduce); `tree`: an all-reduce runs as a tree where
     that takes fewer steps (NCCL chooses ring or tree by size); False: always a ring, as gloo's does (its
-    `gloo::allreduce`, which torch's ProcessGroupGloo calls without naming an algorithm, runs `ring` then)."""
+    `gloo::allreduce`, which torch's ProcessGroupGloo calls without naming an algorithm, runs `ring` then);
+    `by_ranks`: `(N, kind, alpha, bus bandwidth)` rows measured while N ranks share one host's cores (`meshlib
+    calibrate`): a kind with rows is priced by them (`terms`), not by `alpha` and `bandwidth`."""
 
     name: str
     alpha: float
@@ -63,6 +65,7 @@ class Link:
     efficiency: tuple[tuple[str, float], ...] = ()
     alphas: tuple[tuple[str, float], ...] = ()
     tree: bool = True
+    by_ranks: tuple[tuple[int, str, float, float], ...] = ()
 
     def __post_init__(self):
         if not (self.alpha >= 0 and self.bandwidth > 0):
@@ -80,6 +83,11 @@ class Link:
                     f"Link {self.name!r}: efficiency {kind!r}={value} must name one of {COLLECTIVE_ALGORITHMS} "
                     "with a fraction in (0, 1]"
                 )
+        _set(self, "by_ranks", tuple(sorted((int(n), str(k), float(a), float(b)) for n, k, a, b in self.by_ranks)))
+        for n, kind, a, b in self.by_ranks:
+            if kind not in COLLECTIVE_ALGORITHMS or n < 1 or not (a >= 0 and b > 0):
+                raise ValueError(f"Link {self.name!r}: by_ranks row {(n, kind, a, b)} must be (ranks >= 1, one of "
+                                 f"{COLLECTIVE_ALGORITHMS}, alpha >= 0, bandwidth > 0)")  # fmt: skip
 
     def bus_bandwidth(self, kind: str) -> float:
         """Bytes per second a collective of `kind` moves per device on this link."""
@@ -88,6 +96,20 @@ class Link:
     def alpha_for(self, kind: str) -> float:
         """Seconds per algorithm step of a collective of `kind` on this link."""
         return dict(self.alphas).get(kind, self.alpha)
+
+    def terms(self, kind: str, ranks: int) -> tuple[float, float, int]:
+        """(alpha, bus bandwidth, N) of a `kind` collective while `ranks` ranks share the host: from `by_ranks`,
+        between the two measured N around `ranks` interpolated in log N (alpha linearly, bandwidth
+        geometrically), below the first the first, past the last the last (N: the row's, which the caller
+        extrapolates from); without rows for `kind`, `alpha_for` and `bus_bandwidth` (N = 0)."""
+        rows = [(n, a, b) for n, k, a, b in self.by_ranks if k == kind]
+        if not rows:
+            return self.alpha_for(kind), self.bus_bandwidth(kind), 0
+        if ranks <= rows[0][0]:
+            return rows[0][1], rows[0][2], rows[0][0]
+        alpha = _in_log_n([(n, a) for n, a, _ in rows], ranks, lambda u, v, x: u + (v - u) * x)
+        bandwidth = _in_log_n([(n, b) for n, _, b in rows], ranks, lambda u, v, x: u ** (1 - x) * v**x)
+        return alpha, bandwidth, min(ranks, rows[-1][0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +138,9 @@ class DeviceProfile:
       turns, by `sqrt(drift * compute)`, and each collective waits for the last of them (`lockstep_wait`);
     - `comm_oversubscription`: on such a host, a collective takes `(ranks / cores) ** comm_oversubscription`
       times its link's alpha-beta time while the ranks outnumber the cores (`comm_slowdown`; measured by
-      `meshlib calibrate`, where gloo's steps wait for a rank to get a core; 0: no slowdown);
+      `meshlib calibrate`, where gloo's steps wait for a rank to get a core; 0: no slowdown); where the link
+      measured its alpha-beta terms at N ranks sharing the host (`Link.by_ranks`), only the ranks beyond the
+      most it measured slow it, by `(ranks / N) ** comm_oversubscription`;
     - `source`: where the figures come from."""
 
     name: str
@@ -205,12 +229,15 @@ class DeviceProfile:
             return 0.0
         return math.sqrt(_in_log_n(rows, ranks, lambda a, b, x: a + (b - a) * x) * compute * collectives)
 
-    def comm_slowdown(self, ranks: int) -> float:
+    def comm_slowdown(self, ranks: int, measured: int = 0) -> float:
         """How many times longer than its link's alpha-beta time a collective takes while `ranks` ranks share
-        this host's `cores` (1.0 where they do not outnumber them, or on devices that do not share cores)."""
-        if not self.cores or ranks <= self.cores:
+        this host's `cores` (1.0 where they do not outnumber them, or on devices that do not share cores);
+        `measured`: the alpha-beta time was measured with that many ranks sharing the host (`Link.terms`),
+        and only the ranks beyond those slow it further."""
+        base = max(self.cores, measured)
+        if not self.cores or ranks <= base:
             return 1.0
-        return (ranks / self.cores) ** self.comm_oversubscription
+        return (ranks / base) ** self.comm_oversubscription
 
     @property
     def intra(self) -> Link:
@@ -238,7 +265,8 @@ class DeviceProfile:
                 "(collectives now wait by `drift`). Fix: run `meshlib calibrate` again to write it afresh"
             )
         links = tuple(Link(**{**link, "efficiency": tuple(map(tuple, link.get("efficiency", ()))),
-                              "alphas": tuple(map(tuple, link.get("alphas", ())))})
+                              "alphas": tuple(map(tuple, link.get("alphas", ()))),
+                              "by_ranks": tuple(map(tuple, link.get("by_ranks", ())))})
                       for link in data.pop("links"))  # fmt: skip
         for name in ("flops", "extra", "sharing", "drift"):
             data[name] = tuple(map(tuple, data.get(name, ())))

@@ -8,7 +8,8 @@
 - **Communication.** Each collective runs over the ranks its mesh axes span. Mesh axes map to links in
   row-major rank order, `profile.devices_per_node` consecutive ranks a node: a group within one node uses
   the inner link, any other the outer one. Time is alpha-beta: `steps * alpha + bus_bytes / bandwidth` (alpha
-  per kind of collective where the link measured one), slowed where CPU ranks outnumber their host's cores,
+  per kind of collective where the link measured one; on a CPU host, as measured with as many ranks sharing
+  its cores, `Link.by_ranks`), slowed where CPU ranks outnumber their host's cores beyond that,
   with the ring's steps (n-1, or 2(n-1) for an all-reduce) or a tree's (2·log2 n) where fewer, and the bus
   bytes of a ring ((n-1)/n of the payload, twice for an all-reduce).
 - **Overlap**, where the runtime overlaps: gradient reductions run behind the last microbatch's backward,
@@ -123,7 +124,8 @@ def comm_time(comm: Comm, mesh: Mesh, profile: DeviceProfile) -> float:
         return 0.0
     kind = comm.kind if comm.kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") else "send_recv"
     steps, bus = collective_terms(kind, n, comm.bytes, link.tree)
-    return (steps * link.alpha_for(kind) + bus / link.bus_bandwidth(kind)) * profile.comm_slowdown(mesh.size)
+    alpha, bandwidth, measured = link.terms(kind, mesh.size)
+    return (steps * alpha + bus / bandwidth) * profile.comm_slowdown(mesh.size, measured)
 
 
 def collective_terms(kind: str, n: int, nbytes: float, tree: bool = True) -> tuple[int, float]:

@@ -4,8 +4,8 @@ Method: one quick calibration on 2 real gloo ranks, through the command line in 
 (`meshlib_torch.cli.main`), writes the profile and its raw measurements to a temporary directory.
 The tests check structure and self-consistency, never speed (timings vary with the machine and its
 load): the profile round-trips through JSON; every measured collective is reproduced by the planner's
-own formula (`meshlib.predict.comm_time` with the profile and each kind's alpha; it applies
-`comm_slowdown`), the measured points (each the fastest of its batches) being the independent reference, within the stated
+own formula (`meshlib.predict.comm_time` with the alpha and bandwidth measured at that many ranks on the
+host, `Link.by_ranks`), the measured points (each the fastest of its batches) being the independent reference, within the stated
 tolerances (`RATIO`, `BANDWIDTH_RATIO`); the fitted alphas and bandwidths are the least-squares
 optimum of that formula (moving any of them fits worse); the matrix-product curve reproduces the float32
 products; the shared cores' speeds and the model's memory efficiency are the measured ones. `device_profile("cpu")` is checked to read $MESHLIB_PROFILE_DIR first, then the packaged
@@ -25,8 +25,8 @@ import pytest
 from meshlib import Mesh
 from meshlib import devices as devices_module
 from meshlib.cli import parser
-from meshlib.devices import COLLECTIVE_ALGORITHMS, DeviceProfile, device_profile
-from meshlib.predict import comm_time
+from meshlib.devices import COLLECTIVE_ALGORITHMS, DeviceProfile, Link, device_profile
+from meshlib.predict import collective_terms, comm_time
 from meshlib.workload import Comm
 
 # a least-squares fit on relative error: the median point within RATIO of its measured time, and every point
@@ -66,11 +66,9 @@ def _within(pairs, what: str, bound: float, *, every: bool = False) -> None:
 
 def _predicted(points, profile: DeviceProfile) -> list[tuple[float, float]]:
     """(measured, the planner's time) of each `[kind, n, bytes, fastest, median]` point: `comm_time` on a mesh
-    of its ranks, with the link's alpha for its kind (`Link.alpha_for`); `comm_time` applies `comm_slowdown`
-    where the ranks outnumber the cores the calibration found."""
-    link = profile.intra
-    per_kind = {k: profile.replace(links=(dataclasses.replace(link, alpha=link.alpha_for(k)),)) for k, *_ in points}
-    return [(t, comm_time(Comm(kind, ("x",), b), Mesh(x=n), per_kind[kind])) for kind, n, b, t, _ in points]
+    of its ranks, which reads the link's alpha and bandwidth measured with that many ranks on the host
+    (`Link.by_ranks`)."""
+    return [(t, comm_time(Comm(kind, ("x",), b), Mesh(x=n), profile)) for kind, n, b, t, _ in points]
 
 
 def _objective(pairs) -> float:
@@ -146,19 +144,19 @@ def test_alpha_beta_reproduces_the_measured_collectives(calibrated):
 
 @pytest.mark.ranks
 def test_alpha_beta_is_the_least_squares_fit(calibrated):
-    """Moving any kind's alpha or bandwidth by 10% either way fits the measured points no better."""
+    """Moving any kind's alpha or bandwidth at any number of ranks by 10% either way fits the measured points
+    no better; every kind has its row at every number of ranks measured."""
     profile, sidecar, _ = calibrated
     points = sidecar["measurements"]["collectives"]
     best = _objective(_predicted(points, profile))
     link, moved = profile.intra, []
-    for kind, _ in link.alphas:
+    assert {(n, k) for n, k, *_ in link.by_ranks} == {(n, k) for k, n, *_ in points}
+    for i in range(len(link.by_ranks)):
         for f in (0.9, 1.1):
-            alphas = tuple((k, v * (f if k == kind else 1.0)) for k, v in link.alphas)
-            moved.append(dataclasses.replace(link, alphas=alphas))
-            scaled = {k: v * (f if k == kind else 1.0) for k, v in link.efficiency}
-            top = max(scaled.values())  # efficiency stays a fraction: the bandwidth carries the scale
-            efficiency = tuple((k, v / top) for k, v in scaled.items())
-            moved.append(dataclasses.replace(link, bandwidth=link.bandwidth * top, efficiency=efficiency))
+            for term in (2, 3):  # alpha, bandwidth
+                rows = [list(r) for r in link.by_ranks]
+                rows[i][term] *= f
+                moved.append(dataclasses.replace(link, by_ranks=tuple(map(tuple, rows))))
     for other in moved:
         assert _objective(_predicted(points, profile.replace(links=(other,)))) >= best * (1 - 1e-9), other
 
@@ -175,6 +173,32 @@ def test_matmul_curve_reproduces_the_measured_products(calibrated):
             f = 2.0 * m * k * n
             pairs.append((measured, host + f / (rate * profile.matmul_fraction(f))))
     _within(pairs, "float32 matrix products", RATIO)
+
+
+def test_collectives_are_priced_by_the_ranks_sharing_the_host():
+    """`Link.by_ranks`: at a measured N its row; between two, alpha linear and bandwidth geometric in log N;
+    past the last, the last row slowed by (N / N_last) ** comm_oversubscription; a group of fewer ranks takes
+    its own steps and bytes at the row of the ranks on the host; a kind without rows, the link's alpha and
+    bandwidth slowed by (N / cores) ** comm_oversubscription."""
+    rows = ((2, "all_reduce", 1e-4, 4e9), (8, "all_reduce", 4e-4, 1e9))
+    link = Link("loopback", alpha=1e-3, bandwidth=1e9, tree=False, by_ranks=rows)
+    profile = device_profile("a100").replace(name="cpu", links=(link,), devices_per_node=64, cores=2,
+                                              comm_oversubscription=1.5, host_overlaps=False)  # fmt: skip
+    nbytes = 2**20
+
+    def want(kind, n, alpha, bandwidth, slow=1.0):
+        steps, bus = collective_terms(kind, n, nbytes, tree=False)
+        return (steps * alpha + bus / bandwidth) * slow
+
+    def got(kind, **mesh):
+        return comm_time(Comm(kind, ("x",), nbytes), Mesh(**mesh), profile)
+
+    assert got("all_reduce", x=2) == pytest.approx(want("all_reduce", 2, 1e-4, 4e9))
+    assert got("all_reduce", x=4) == pytest.approx(want("all_reduce", 4, 2.5e-4, 2e9))
+    assert got("all_reduce", x=16) == pytest.approx(want("all_reduce", 16, 4e-4, 1e9, 2**1.5))
+    assert got("all_reduce", x=2, y=4) == pytest.approx(want("all_reduce", 2, 4e-4, 1e9))
+    assert got("all_gather", x=4) == pytest.approx(want("all_gather", 4, 1e-3, 1e9, 2**1.5))
+    assert DeviceProfile.from_json(profile.to_json()) == profile
 
 
 def test_device_profile_reads_the_calibrated_then_the_packaged_file(tmp_path, monkeypatch):

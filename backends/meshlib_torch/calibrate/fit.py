@@ -25,11 +25,14 @@ batch of each measurement (`compute.timed`: the one other processes disturbed le
   threads of one core do less than two ranks' work); `drift` per N, from rounds of a segment of products then
   a 1 KiB all-reduce at several segment lengths s: what a round takes beyond the segment alone plus the
   all-reduce alone is the wait `sqrt(drift * s)`, fitted by least squares (`fit_drift`);
-- **the link**: `steps * alpha_for(kind) + bus / (bandwidth * efficiency[kind])`, `meshlib.predict.comm_time`'s
-  formula, with per kind its own latency per step (`Link.alphas`; `alpha` is all-reduce's) and bandwidth,
-  fitted by least squares on relative error, each time multiplied by `max(1, N / cores) **
-  comm_oversubscription` for N ranks on the host; that exponent is chosen on a grid (0 to 2 by 0.05) for the
-  smallest squared log error over every point (`fit_link`).
+- **the link**: `steps * alpha + bus / bandwidth`, `meshlib.predict.comm_time`'s formula, per kind and per
+  number N of ranks sharing the host (`Link.by_ranks`, `fit_by_ranks`): each measured at N ranks, fitted by
+  least squares on relative error to that N's points. One curve for every N, its time multiplied by
+  `max(1, N / cores) ** comm_oversubscription`, misses them by up to 2x (gloo's 1 KiB all-reduce takes
+  0.3 ms on 2 ranks of 2 cores, 5 ms on 4, 9 ms on 8; the power law says 0.4, 2.5, 11.6): that fit
+  (`fit_link`, the exponent on a grid from 0 to 2 by 0.05 for the smallest squared log error) gives the
+  link's `alpha`, `alphas`, `bandwidth` and `efficiency`, which the report shows, and the exponent, which
+  prices ranks beyond the most measured.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ from meshlib.devices import DeviceProfile, Link
 from meshlib.predict import collective_terms, compute_time
 from meshlib.workload import Compute
 
-__all__ = ["comm_terms", "fit_attention", "fit_cores", "fit_drift", "fit_link", "fit_matmul", "fit_memory",
-           "fit_model_memory", "fit_profile", "saturating"]  # fmt: skip
+__all__ = ["comm_terms", "fit_attention", "fit_by_ranks", "fit_cores", "fit_drift", "fit_link", "fit_matmul",
+           "fit_memory", "fit_model_memory", "fit_profile", "saturating"]  # fmt: skip
 
 _GAMMAS = tuple(round(0.05 * i, 2) for i in range(41))
 
@@ -121,6 +124,17 @@ def _link_at(points, kinds, cores: float, gamma: float) -> dict:
     return {"alpha": alpha, "bandwidth": bandwidth, "gamma": gamma, "error": error, "points": out}
 
 
+def fit_by_ranks(points) -> dict:
+    """`Link.by_ranks` rows `(N, kind, alpha, bandwidth)` fitted per kind and N to `(kind, N, bytes, seconds)`
+    points measured with N ranks on the host (least squares on relative error, as `_link_at` at exponent 0),
+    and each point with its fitted time."""
+    at = {n: [p for p in points if p[1] == n] for n in sorted({p[1] for p in points})}
+    fit = {n: _link_at(mine, tuple(dict.fromkeys(p[0] for p in mine)), 1.0, 0.0) for n, mine in at.items()}
+    rows = tuple((n, kind, f["alpha"][kind], f["bandwidth"][kind]) for n, f in fit.items() for kind in f["alpha"])
+    fitted = {tuple(p[:4]): p[4] for f in fit.values() for p in f["points"]}
+    return {"rows": rows, "points": [(*p, fitted[tuple(p)]) for p in points]}
+
+
 def fit_memory(rows, numel: int = 1 << 22) -> tuple[float, float]:
     """(memory_bandwidth, memory_efficiency) from `(op, numel, fastest, median seconds, bytes)` rows, on
     tensors of `numel` elements (16 MiB; the largest measured when smaller): the best streaming rate (copy or
@@ -168,11 +182,13 @@ def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
     efficiency = min(1.0, mm["float32"]["rate"] / mm["float32"]["best"])
     flops = {d: f["rate"] / efficiency for d, f in mm.items()}
     cores, speed = fit_cores(m["busy"], m["machine"]["cores"])
-    comm = fit_link([tuple(p[:4]) for p in m["collectives"]], cores)
+    points = [tuple(p[:4]) for p in m["collectives"]]
+    comm, by_ranks = fit_link(points, cores), fit_by_ranks(points)
     top = max(comm["bandwidth"].values())
     link = Link("loopback", alpha=comm["alpha"].get("all_reduce", min(comm["alpha"].values())), bandwidth=top,
                 efficiency=tuple((k, b / top) for k, b in comm["bandwidth"].items()),
-                alphas=tuple(comm["alpha"].items()), tree=False)  # fmt: skip
+                alphas=tuple(comm["alpha"].items()), tree=False, by_ranks=by_ranks["rows"])  # fmt: skip
+    comm = {**comm, "one curve": comm["points"], "points": by_ranks["points"]}
     bandwidth, mem_eff = fit_memory(m["memory"])
     extra = {f"matmul_{what}.{d}": f[what] for what in ("rate", "half", "best") for d, f in mm.items()}
     extra |= {f"host.{k}": v for k, v in host.items()}

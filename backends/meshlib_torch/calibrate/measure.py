@@ -58,7 +58,8 @@ def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> di
         pool = get_pool(n)
         say(f"{n} ranks computing at once; collectives over {n} ranks")
         out["busy"][str(n)] = _busy(pool, False, reps)
-        rows = pool.run(collectives.collective_times, sizes, target=target, batches=5, timeout=_TIMEOUT)
+        rows = pool.run(collectives.collective_times, sizes, target=target if quick else COLLECTIVE_BATCH,
+                        batches=5, timeout=_TIMEOUT)  # fmt: skip
         out["collectives"] += _slowest(rows, n)
         out["lockstep"][str(n)] = {str(k): _rounds(pool.run(compute.lockstep, products=k, timeout=_TIMEOUT))
                                    for k in (LOCKSTEP_PRODUCTS[::2] if quick else LOCKSTEP_PRODUCTS)}  # fmt: skip
@@ -67,6 +68,10 @@ def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> di
     return out
 
 
+# seconds of back-to-back calls per batch of a collective: a step runs tens of them, and on ranks that share
+# cores one call takes 0.3-15 ms and swings 1.5-3x from call to call, so a batch averages a run of them (at
+# 20 ms, a batch held one or two 8-rank calls, and the fastest of five said 10-40% less than a step pays)
+COLLECTIVE_BATCH = 0.1
 LOCKSTEP_PRODUCTS = (2, 10, 40)  # segments from about one to about forty milliseconds between collectives
 
 

@@ -44,11 +44,15 @@ def _profile(cal) -> Table:
         ("host_per_update_op", f"{p.update_host * 1e6:.2f} us", "its update (AdamW on DTensors), per op"),
         ("host_overlaps", str(p.host_overlaps), "CPU ranks compute on the host"),
         ("cores", f"{p.cores:g}", "products: the work N ranks did at once, in ranks alone (median over N)"),
-        ("comm_oversubscription", f"{p.comm_oversubscription:.2f}", "collectives x (N/cores)^this for N > cores"),
+        ("comm_oversubscription", f"{p.comm_oversubscription:.2f}",
+         "one curve for every N: x (N/cores)^this; with by_ranks, x (N/largest N measured)^this past it"),
         *((f"sharing[{w}, {n}]", f"{v:.3f}", "each of N ranks' speed at once, over alone") for w, n, v in p.sharing),
         *((f"drift[{n}]", f"{v * 1e3:.3f} ms", "a collective waits sqrt(this x compute since the last)")
           for n, v in p.drift),
-        (f"link {link.name}: alpha", f"{link.alpha * 1e6:.1f} us", "per algorithm step (all-reduce's)"),
+        *((f"link {link.name}: by_ranks[{n}, {k}]", f"{a * 1e6:.1f} us, {b / 1e9:.3f} GB/s",
+           "alpha per step, bus bandwidth: measured with N ranks on the host (what the planner reads)")
+          for n, k, a, b in link.by_ranks),
+        (f"link {link.name}: alpha", f"{link.alpha * 1e6:.1f} us", "one curve for every N: per step (all-reduce's)"),
         (f"link {link.name}: bandwidth", f"{link.bandwidth / 1e9:.3f} GB/s", "the fastest kind's bus bandwidth"),
     ]
     rows += [(f"  alphas[{k}]", f"{v * 1e6:.1f} us", "its latency per step") for k, v in link.alphas]
@@ -148,6 +152,6 @@ def _collectives(cal) -> Table:
         "collectives (gloo, this host): time per call, the slowest rank, the fastest batch",
         _COMM_COLUMNS,
         rows,
-        f"fitted: steps x alpha[kind] + bus bytes / bandwidth[kind], x (N/cores)^{link['gamma']:.2f} for N > cores; "
+        "fitted: steps x alpha + bus bytes / bandwidth, per kind and N ranks on the host (by_ranks); "
         "payload as a plan counts it (all-gather: the gathered result)",
     )
