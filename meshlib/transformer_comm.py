@@ -141,12 +141,15 @@ def step_comm(params: tuple[float, float], c, m: int, *, tied: bool, embed_bytes
 def model_state(params: tuple[float, float], c) -> float:
     """Bytes of parameters, gradients and optimizer state per rank (`meshlib.cost.zero_memory`; gradients in
     `reduce_dtype`, from ZeRO-2 or with `main_grads`: Megatron's fp32 main gradients add 2 bytes a parameter
-    to the ZeRO paper's 16)."""
+    to the ZeRO paper's 16). At ZeRO-3 PyTorch's FSDP keeps each parameter's fp32 shard alone and casts it
+    to the compute dtype as it gathers (FSDP2's `MixedPrecisionPolicy`, FSDP1's flat parameter): no
+    compute-dtype shard beside it, the ZeRO paper's 2/n bytes a parameter."""
     mixed = ITEMSIZE[c.dtype] < 4
     wide = mixed and (c.zero >= 2 or c.main_grads)  # gradients kept in reduce_dtype
     total = 0.0
     for count, n in ((params[0], c.dp * c.cp * c.ep), (params[1], c.dp * c.cp)):
         state = zero_memory(count, n, zero=c.zero, mixed=mixed, itemsize=4)
         extra = (ITEMSIZE[c.reduce_dtype] - ITEMSIZE[c.dtype]) * count / (n if c.zero >= 2 else 1) if wide else 0.0
-        total += state.total + max(0.0, extra)
+        unkept = ITEMSIZE[c.dtype] * count / n if mixed and c.zero >= 3 else 0.0
+        total += state.total + max(0.0, extra) - unkept
     return total

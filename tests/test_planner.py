@@ -541,13 +541,15 @@ def test_a_transformers_layer_keeps_what_the_closed_form_says(family, mesh, dtyp
         assert min(kept) / fused - 1 > 0.1
 
 
-@pytest.mark.parametrize("mesh, zero", [("dp=4", 0), ("dp=4", 1), ("dp=2,tp=2", 1), ("pp=2", 0), ("dp=4", 2)])
+@pytest.mark.parametrize("mesh, zero", [("dp=4", 0), ("dp=4", 1), ("dp=2,tp=2", 1), ("pp=2", 0), ("dp=4", 2),
+                                        ("dp=4", 3), ("dp=2,tp=2", 3)])  # fmt: skip
 def test_the_model_state_is_what_the_runtime_stores(mesh, zero):
     """llama-small in bf16: the closed form's parameters, gradients and optimizer state per rank against the
     compiled plan's. meshlib's runtime keeps gradients in the compute dtype below ZeRO-2 (`main_grads=False`):
     equal bytes, where Megatron's fp32 main gradients would add 2 a parameter. At ZeRO-2 FSDP2 stores fp32
     shards of parameters and gradients, and gathers the compute-dtype parameters for the step: the closed
-    form's state is the plan's plus those."""
+    form's state is the plan's plus those. At ZeRO-3 FSDP2 stores the fp32 shards alone (16/n bytes a
+    parameter, not the ZeRO paper's 18/n with fp32 gradients): equal bytes."""
     from meshlib import transformer_comm, transformer_work
 
     cfg, m = models.config("llama-small"), Mesh.parse(mesh)
