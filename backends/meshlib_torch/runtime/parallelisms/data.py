@@ -2,10 +2,13 @@
 
 The compiled loss is each rank's share of the global mean (its targets over
 the global count), so the summed gradients are the single process's. ZeRO-0
-sums them with `GradSync`: an all-reduce per parameter from a post-accumulate
-hook, overlapping the rest of backward, paused while microbatches accumulate
-(or a pipeline runs) and flushed after. ZeRO-1 sums them in the optimizer,
-ZeRO-2/3 in FSDP2 (`zero.py`).
+sums them with `GradSync`: a blocking all-reduce per parameter from a
+post-accumulate hook, as each gradient is ready, paused while microbatches
+accumulate (or a pipeline runs) and flushed after. ZeRO-1 sums them in the
+optimizer, ZeRO-2/3 in FSDP2 (`zero.py`). Not yet as DDP does it (gradients in
+25 MiB buckets, each all-reduced asynchronously behind the rest of backward): on
+4 gloo ranks of 2 cores, one flat all-reduce in place of llama-small's 40 takes
+its dp=4 step from 0.42 s to 0.19 s, with the same losses.
 
 A model cut by module FQN (no tracer could follow it) computes its own loss
 on each rank's rows: its last stage averages that loss over the data-parallel
