@@ -102,6 +102,12 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def at_backward_end(fn) -> None:
+    """Run `fn` once the running backward has finished (called during it): where DDP and FSDP2 wait for
+    their last gradient reductions (`Variable._execution_engine.queue_callback`; torch has no public way)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
 def copy_codegen(src: fx.Graph, dst: fx.Graph) -> None:
     """Give `dst` the code generator of `src` (a graph copy keeps its calling convention)."""
     dst._codegen = src._codegen

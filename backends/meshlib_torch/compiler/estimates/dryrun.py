@@ -28,8 +28,10 @@ from ...modules.recompute import Recompute, comm_forward, gathers, keeping_shard
 from ...modules.special import special_module
 from ...torch_private import copy_codegen, pipeline_keeps_grad_buffers, stage_backward_input, stage_backward_weight
 from ..attrs import set_attr
+from ..buckets import Buckets, grad_buckets, most_held
 from ..capture.blocks import layer_paths, split_graph
 from ..pipeline.stages import boundary_values, rank_params
+from ..placement.placements import sync_axes
 from ..placement.shapes import local_shape
 from ..program import Compiled, buffer_dtype, fsdp_whole, model_state, shard_ranks, zero1_pieces
 from .opcount import OpCounter
@@ -146,6 +148,9 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
             tracker.ignore(params.values())
             shards = {id(p): ranks[name] for name, p in params.items()}
             hooks = _fsdp_hooks(gm, layers, tracker, opts.zero, shards, full.itemsize)
+        if opts.zero == 0 and compiled.data_axes:  # ZeRO-0's buckets, held while they are summed
+            reduce, order = getattr(torch, opts.precision.reduce), list(compiled.traced.params)
+            hooks.append(_DryBuckets(params, _sync_groups(compiled, params), reduce, order))
         local = [local_input(compiled, name, x) for name, x in zip(compiled.input_names, batch)]
         with OpCounter() as counter:
             with keeping_shards():
@@ -161,6 +166,41 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
     compute = StageCompute(*(passes.get(p, Compute()) for p in ("forward", "backward", "recompute")),
                            optimizer=optimizer_compute(compiled))  # fmt: skip
     return {"peak": peak, "model_state": base, "step": peak - base, "after_forward": forward, "compute": compute}
+
+
+class _DryBuckets(Buckets):
+    """`GradSync` on the meta device: the same buckets, started and waited for at the same moments of
+    backward, their buffers allocated (the tracker counts them) and summed by nobody."""
+
+    def reduce(self, buf: torch.Tensor, bucket):
+        return self
+
+    def wait(self) -> None:
+        pass
+
+
+def _sync_groups(compiled: Compiled, names) -> dict[str, tuple | None]:
+    """ZeRO-0's sums, as `GradSync` takes them: per parameter in `names`, (no group, the name of the data
+    axes its gradient is summed over), or None."""
+    out = {}
+    for name in names:
+        axes = sync_axes(compiled.param_layouts[name], compiled.axes.names, compiled.data_axes)
+        out[name] = (None, "_".join(axes)) if axes and name in compiled.synced_params else None
+    return out
+
+
+def _bucket_sizes(compiled: Compiled, names) -> list[int]:
+    """The bytes of each of ZeRO-0's buckets over the parameters `names`, in the order they start."""
+    if compiled.options.zero != 0 or not compiled.data_axes:
+        return []
+    size = getattr(torch, compiled.options.precision.reduce).itemsize
+    groups = _sync_groups(compiled, [n for n in compiled.traced.params if n in names])
+    entries = [
+        (n, g[1], math.prod(compiled.local_param_shape(n)) * size)
+        for n, g in groups.items() if g is not None and compiled.traced.params[n].requires_grad
+    ]  # fmt: skip
+    held = {n: b for n, _, b in entries}
+    return [sum(held[n] for n in ns) for _, ns in grad_buckets(entries)]
 
 
 def local_input(compiled: Compiled, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -377,7 +417,8 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
     optimizer state), its stages' parameters in the compute dtype where ZeRO-2/3 keeps them gathered
     through the step, the activations its schedule keeps in flight, and the weight gradients from a
     stage's first backward on (`grads`, per stage: the optimizer step frees them), or at the optimizer
-    step the gradients and what the update makes (`stepmem.step_extra`). Walking the
+    step the gradients and what the update makes (`stepmem.step_extra`) or the buffers of ZeRO-0's buckets
+    as the flush after the schedule sums them (`buckets.most_held`). Walking the
     rank's actions, a forward adds its stage's kept bytes and a backward frees them (a stage's first
     backward turns them into its weight gradients as it goes); a zero-bubble schedule's input-gradient
     action keeps them, with the gradients saved for the weight action, which frees them. The peak is
@@ -417,7 +458,8 @@ def stage_peaks(compiled: Compiled, core, state: list[int], grads: list[int]) ->
                 held, peak = (run.kept, run.step) if a.kind == "B" else (run.after_input, run.weight_peak)
                 top = max(top, live - held + max(peak, new + peak - held))
                 live += new - held
-        update = sum(grads[s] for s, rank in enumerate(core.placement) if rank == r) + step_extra(compiled, names)
+        held = sum(grads[s] for s, rank in enumerate(core.placement) if rank == r)
+        update = held + max(step_extra(compiled, names), most_held(_bucket_sizes(compiled, names)))  # or the flush
         out.append(state[r] + recv[r] + max(gathered + top, update))
     return out, [run.compute for run in runs]
 

@@ -20,6 +20,7 @@ from meshlib import Collective, Plan
 from meshlib.options import Parallelism
 
 from ...torch_private import OpOverload
+from ..buckets import grad_buckets
 from ..capture.source import source_line
 from ..capture.trace import Traced
 from ..placement.placements import sync_axes, zero1_split
@@ -150,7 +151,7 @@ def dp_collectives(
     ranks at pp coordinate `pp_rank`; ZeRO-2/3's parameter all-gathers happen `gathers` times, and
     the gradients of what FSDP2 leaves `whole` are all-reduced. `level`: the ZeRO level whose
     traffic it is, when not the plan's (ZeRO-3 in pipeline stages moves as ZeRO-2 does)."""
-    records = []
+    records, bucketed = [], []
     sizes = dict(zip(axes.names, axes.sizes))
     param_b, reduce_b = (
         torch.empty((), dtype=getattr(torch, d)).element_size()
@@ -164,6 +165,7 @@ def dp_collectives(
         shard = tuple(a for a in summed if a not in options.replicate_axes)
         n_shard = math.prod(sizes[a] for a in shard)
         zero = 0 if name in whole else options.zero if level is None else level
+        in_buckets = zero == 0  # `GradSync`'s (ZeRO-1 all-reduces what it cannot split in its optimizer)
         numel = math.prod(local)
         if zero == 1 and n_shard > 1:
             ragged = ragged_dims(tuple(p.shape), layouts[name], axes.sizes)
@@ -176,7 +178,9 @@ def dp_collectives(
             zero, numel, param_b, reduce_b, shard, options.replicate_axes, n_shard
         ):
             group = math.prod(sizes[a] for a in over)
-            if group > 1:
+            if group > 1 and in_buckets:
+                bucketed.append((name, over, nbytes))  # summed with others in DDP's buckets (`GradSync`)
+            elif group > 1:
                 gather = kind == "all_gather" and phase != "optimizer"
                 op, count = (PARAM_GATHER if gather else GRAD_SYNC), count * (gathers if gather else 1)
                 records.append(
@@ -184,6 +188,16 @@ def dp_collectives(
                         kind, over, nbytes, name, op, "", f"zero-{options.zero}", phase, count, group, name, pp_rank
                     )
                 )
+    held = {n: b for n, _, b in bucketed}
+    for over, names in grad_buckets(bucketed):
+        nbytes = sum(held[n] for n in names)
+        group = math.prod(sizes[a] for a in over)
+        why = f"zero-{options.zero}: a bucket of {len(names)}"
+        records.append(
+            Collective(
+                "all_reduce", over, nbytes, names[0], GRAD_SYNC, "", why, "backward", 1, group, names[-1], pp_rank
+            )
+        )
     return records
 
 

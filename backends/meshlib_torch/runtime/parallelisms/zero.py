@@ -97,7 +97,7 @@ def apply_zero(par, *, offload: bool, prefetch: bool) -> tuple[list, GradSync | 
             **kinds,
         )  # fmt: skip
     whole = {n: p for n, p in par.named_model_parameters().items() if id(p) in left}
-    sync = GradSync(whole, sync_groups(par, whole), reduce) if whole else None
+    sync = GradSync(whole, sync_groups(par, whole), reduce, order=list(compiled.traced.params)) if whole else None
     return units, sync
 
 

@@ -1,0 +1,163 @@
+"""Gradient buckets: which parameters' gradients ZeRO-0 sums in one all-reduce, as DDP groups them, and
+when each is started and waited for.
+
+One function serves the plan (`estimates.records.dp_collectives` prices one
+all-reduce per bucket) and the runtime (`runtime.parallelisms.data.GradSync`
+issues one per bucket), so the two agree by construction. One class, `Buckets`,
+starts and waits for them, in the runtime (a real all-reduce) and in the dry
+run (`estimates.dryrun`, which only allocates the buffers), so the memory the
+plan charges is what the runtime holds.
+
+DDP's rules (torch/nn/parallel/distributed.py, `_BucketCapacityConfig` and
+`dist._compute_bucket_assignment_by_size`): parameters in registration order,
+one running bucket per kind (here: the axes a gradient is summed over), a
+bucket closed once it holds its limit: 1 MiB for the first
+(`dist._DEFAULT_FIRST_BUCKET_BYTES`), 25 MiB after (`bucket_cap_mb`). The
+buckets are then reversed, to approximate the order backward produces them,
+so the small first bucket holds the gradients backward finishes last.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Iterable
+
+import torch
+
+from ..torch_private import at_backward_end, local_tensor
+
+FIRST_BUCKET_BYTES = 1 << 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
+
+
+def grad_buckets(
+    entries: Iterable[tuple[str, Hashable, int]], first: int | None = None, cap: int | None = None
+) -> list[tuple[Hashable, list[str]]]:
+    """`(kind, names)` per bucket, in the order backward fills them, from `(name, kind, bytes)` per
+    parameter in registration order. Only parameters of one kind share a bucket; each kind's first
+    bucket closes at `first` bytes (`FIRST_BUCKET_BYTES`), the rest at `cap` (`BUCKET_BYTES`)."""
+    first = FIRST_BUCKET_BYTES if first is None else first
+    cap = BUCKET_BYTES if cap is None else cap
+    open_: dict[Hashable, tuple[int, list[str], int]] = {}  # kind: (first index, names, bytes)
+    closed: list[tuple[int, Hashable, list[str]]] = []
+    started: set = set()
+    for i, (name, kind, nbytes) in enumerate(entries):
+        start, names, held = open_.get(kind, (i, [], 0))
+        names.append(name)
+        held += nbytes
+        if held >= (cap if kind in started else first):
+            closed.append((start, kind, names))
+            started.add(kind)
+            open_.pop(kind, None)
+        else:
+            open_[kind] = (start, names, held)
+    closed += [(start, kind, names) for kind, (start, names, _) in open_.items()]
+    closed.sort(key=lambda b: b[0])
+    return [(kind, names) for _, kind, names in reversed(closed)]
+
+
+def most_held(sizes: list[int], inflight: int | None = None) -> int:
+    """The most bytes of buckets (`sizes`, in the order they start) held at once when at most `inflight`
+    (`Buckets.INFLIGHT`) are: the largest sum of that many consecutive ones."""
+    k = Buckets.INFLIGHT if inflight is None else inflight
+    return max((sum(sizes[i : i + k]) for i in range(max(1, len(sizes) - k + 1))), default=0)
+
+
+class _Bucket:
+    """Gradients summed in one all-reduce: their parameters, the group and its axes' name."""
+
+    def __init__(self, index: int, params: list[torch.Tensor], group, axis: str):
+        self.index, self.params, self.group, self.axis = index, params, group, axis
+        self.ready = 0  # how many of its gradients this backward has finished
+
+
+class Buckets:
+    """Sum every parameter's gradient over its group (`groups`: per name, the group and its axes' name;
+    None: nothing to sum) in DDP's buckets (`grad_buckets`, in registration order `order` reversed),
+    in `reduce_dtype`.
+
+    A bucket is started (`reduce`, asynchronous) once its gradients are in and every bucket before it
+    has been started, so the sums run behind the rest of backward; at backward's end the rest are
+    started and all are waited for, so the gradients are summed when `backward()` returns. At most
+    `INFLIGHT` buckets' buffers are held at once (DDP keeps one for every bucket, a second copy of
+    the gradients). `enabled` off: gradients accumulate unsummed until `finish()`."""
+
+    INFLIGHT = 2
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], groups: dict[str, tuple | None],
+                 reduce_dtype: torch.dtype, order=()):  # fmt: skip
+        self.reduce_dtype = reduce_dtype
+        self.enabled = True
+        first = {n: i for i, n in enumerate(order)}
+        named = [(n, p) for n, p in params.items() if p.requires_grad and groups[n] is not None]
+        named.sort(key=lambda item: first.get(item[0], len(first)))  # stable: names not in `order` last
+        entries = [(n, groups[n][1], local_tensor(p).numel() * reduce_dtype.itemsize) for n, p in named]
+        by_name = dict(named)
+        buckets = grad_buckets(entries)
+        self.buckets = [_Bucket(i, [by_name[n] for n in ns], *groups[ns[0]]) for i, (_, ns) in enumerate(buckets)]
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.names = {id(p): n for n, p in named}
+        self.params = [p for b in self.buckets for p in b.params]
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        self._next = 0  # the next bucket to start
+        self._running: deque = deque()  # (gradients, their pieces of the buffer, work), oldest first
+        self._waiting = False  # the end-of-backward callback is queued
+
+    def reduce(self, buf: torch.Tensor, bucket: _Bucket):
+        """Start summing `buf` over `bucket.group`; returns what `.wait()`s for it."""
+        raise NotImplementedError
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        bucket = self.bucket_of[id(p)]
+        if bucket.index < self._next:
+            raise RuntimeError(
+                f"the gradient of {self.names[id(p)]!r} arrived after its bucket was summed over "
+                f"{bucket.axis!r} (a second backward through it in one step, or a backward that ended early). "
+                "Fix: run one backward per microbatch, with gradient sync off (set_gradient_sync(False)) "
+                "for all but the last"
+            )
+        bucket.ready += 1
+        if not self._waiting:
+            self._waiting = True
+            at_backward_end(self.finish)
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._start(self.buckets[self._next])
+
+    def finish(self) -> None:
+        """Start every bucket not yet started (a parameter without a gradient counts zeros), wait for all,
+        and make ready for the next backward."""
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+        while self._running:
+            self._wait_oldest()
+        self._next, self._waiting = 0, False
+        for b in self.buckets:
+            b.ready = 0
+
+    def _start(self, bucket: _Bucket) -> None:
+        while len(self._running) >= self.INFLIGHT:
+            self._wait_oldest()
+        grads = [None if p.grad is None else local_tensor(p.grad) for p in bucket.params]
+        sizes = [local_tensor(p).numel() for p in bucket.params]
+        buf = torch.empty(sum(sizes), dtype=self.reduce_dtype, device=local_tensor(bucket.params[0]).device)
+        pieces = buf.split(sizes)
+        for g, piece in zip(grads, pieces):
+            piece.copy_(g.reshape(-1)) if g is not None else piece.zero_()
+        self._running.append((grads, pieces, self.reduce(buf, bucket)))
+        self._next += 1
+
+    def _wait_oldest(self) -> None:
+        grads, pieces, work = self._running.popleft()
+        work.wait()
+        for g, piece in zip(grads, pieces):
+            if g is not None:
+                g.copy_(piece.view(g.shape))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Buckets", "grad_buckets", "most_held"]

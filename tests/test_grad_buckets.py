@@ -1,0 +1,107 @@
+"""ZeRO-0's gradient sum in DDP's buckets: the same buckets as torch's own assignment, the plan's records
+equal to what the ranks issue, the sums started behind backward, and the single process's training.
+
+References: `torch.distributed._compute_bucket_assignment_by_size` (what DDP's reducer is built from),
+and the unsharded run (the parity harness).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshlib import Mesh
+from meshlib_torch.compiler.buckets import grad_buckets
+from meshlib_torch.testing.parity import RunConfig, compare, train_reference
+from meshlib_torch.testing.pool import get_pool
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 700), st.sampled_from([torch.float32, torch.float64])), min_size=1, max_size=40),
+    st.integers(64, 2048), st.integers(64, 8192),
+)  # fmt: skip
+def test_the_buckets_are_ddps(params, first, cap):
+    """Parameters of two kinds (torch keys them by dtype): the buckets torch assigns, reversed as DDP's
+    reducer takes them, are `grad_buckets`'s."""
+    tensors = [torch.empty(n, dtype=dtype) for n, dtype in params]
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap])
+    entries = [(str(i), t.dtype, t.numel() * t.element_size()) for i, t in enumerate(tensors)]
+    ours = grad_buckets(entries, first, cap)
+    assert [[int(n) for n in names] for _, names in ours] == list(reversed(theirs))
+    assert all(len({tensors[int(n)].dtype for n in names} | {kind}) == 1 for kind, names in ours)
+
+
+def _patched(first: int, cap: int):
+    """Small buckets on every rank (the defaults, 1 and 25 MiB, hold a tiny model's gradients in one or two)."""
+    from meshlib_torch.compiler import buckets
+
+    saved = buckets.FIRST_BUCKET_BYTES, buckets.BUCKET_BYTES
+    buckets.FIRST_BUCKET_BYTES, buckets.BUCKET_BYTES = first, cap
+    return saved
+
+
+def _restore(saved) -> None:
+    from meshlib_torch.compiler import buckets
+
+    buckets.FIRST_BUCKET_BYTES, buckets.BUCKET_BYTES = saved
+
+
+def _one_backward(run: RunConfig, first: int, cap: int):
+    """One backward on the ranks: each bucket's all-reduce as issued, the plan's, and how many had started
+    when the gradient of the parameter registered second came in (the first is alone in the last bucket:
+    the embedding, or a norm under 1 KiB)."""
+    from meshlib_torch.runtime.comm import CommCounter
+    from meshlib_torch.testing.parity import batch_of, build_parallel
+
+    saved = _patched(first, cap)
+    try:
+        par = build_parallel(run)
+        issued = []
+
+        class Log(CommCounter):
+            def record(self, phase, kind, axis, nbytes, where):
+                issued.append((phase, kind, axis, nbytes))
+
+        par.grad_sync.counter = Log()
+        started = []
+        second = list(par.compiled.traced.params)[1]
+        par.named_model_parameters()[second].register_post_accumulate_grad_hook(lambda p: started.append(len(issued)))
+        par(*batch_of(run, 0)).backward()
+        planned = [(c.phase, c.kind, "_".join(c.axes), c.bytes) for c in par.plan.collectives if c.op == "grad sync"]
+        return issued, planned, started, [len(b.params) for b in par.grad_sync.buckets]
+    finally:
+        _restore(saved)
+
+
+def _train(run: RunConfig, first: int, cap: int):
+    from meshlib_torch.testing.parity import train_parallel
+
+    saved = _patched(first, cap)
+    try:
+        return train_parallel(run)
+    finally:
+        _restore(saved)
+
+
+CASES = [
+    RunConfig(model="llama-tiny", mesh="dp=2"),
+    RunConfig(model="llama-tiny", mesh="dp=2,tp=2", dtype="float32", precision="bf16", lr=1e-3),
+    RunConfig(model="moe-tiny", mesh="dp=2,ep=2", seq_len=8),
+]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("run", CASES, ids=lambda r: f"{r.model}-{r.mesh}-{r.precision or r.dtype}")
+def test_the_ranks_sum_the_plans_buckets_behind_backward(run):
+    """Buckets of 4 KiB, the first 1 KiB: the ranks issue one all-reduce per planned bucket, in the plan's
+    order and bytes; most are started before backward reaches the second parameter; and three AdamW steps
+    equal the single process's. With experts, their weights (summed over dp alone) bucket apart."""
+    pool = get_pool(Mesh.parse(run.mesh).size)
+    for issued, planned, started, sizes in pool.run(_one_backward, run, 1024, 4096):
+        assert issued == planned and len(planned) == len(sizes) >= 4
+        assert started and 0 < started[0] < len(planned)  # the sums overlap backward; the last waits for it
+    if "ep" in run.mesh:
+        assert {axis for _, _, axis, _ in planned} == {"dp", "dp_ep"}
+    compare(train_reference(run), pool.run(_train, run, 1024, 4096)[0], run.tolerance)
