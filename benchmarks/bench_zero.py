@@ -3,7 +3,7 @@
     python benchmarks/bench_zero.py                 # everything, about 85 s on 2 cores
     python benchmarks/bench_zero.py --quick         # fewer rounds, no dp=2 race: a smoke test
 
-Prints four markdown tables:
+Prints five markdown tables:
 
 (a) data-parallel bytes per rank per step for zero 0/1/2/3 on `Mesh(dp=4)`
     (`llama-small`, fp32), counted at meshlib's collective layer (`COUNTER`) on
@@ -21,6 +21,8 @@ Prints four markdown tables:
     parameters with `storage.resize_`, which no dispatch mode sees).
 (d) step time of meshlib's `parallelize(..., zero=3)` against the same model
     with `fully_shard` per block and on the root, alternated, median of rounds.
+(e) the same for ZeRO-0 against torch's DistributedDataParallel (default
+    buckets), with meshlib summing each gradient alone beside them.
 
 The rank-side jobs are in `benchmarks/zero_worker.py` (a RankPool pickles
 them by qualified name, so they cannot live in this script).
@@ -174,28 +176,31 @@ def table_peak(model: str, mesh: str, batch: int, seq: int) -> tuple[str, list]:
     return markdown(header, rows), misses
 
 
-# -- (d) step time against fully_shard ------------------------------------------------------------------
-def table_race(model: str, dps: tuple[int, ...], batch: int, seq: int, rounds: int, steps: int) -> str:
+# -- (d) step time against fully_shard, (e) against DDP -------------------------------------------------
+def table_race(model: str, dps: tuple[int, ...], batch: int, seq: int, rounds: int, steps: int, zero: int = 3) -> str:
     rows = []
+    native_name = "fully_shard" if zero == 3 else "DDP"
     for dp in dps:
         pool = get_pool(dp)
         before = busy_ticks(), ticks_of(pool.pids)
-        r = pool.run(zero_worker.race, model, dp, batch, seq, rounds, steps, timeout=1200)[0]
+        r = pool.run(zero_worker.race, model, dp, batch, seq, rounds, steps, zero=zero, timeout=1200)[0]
         busy, mine = busy_ticks() - before[0], ticks_of(pool.pids) - before[1]
-        ours, native = r["losses"]["ours"], r["losses"]["native"]
-        diff = max(abs(a - b) for a, b in zip(ours, native, strict=True))
+        native = r["losses"]["native"]
+        diff = max(abs(a - b) for k, v in r["losses"].items() for a, b in zip(v, native, strict=True))
         if diff > TOLERANCE:
-            raise RuntimeError(f"dp={dp}: meshlib and fully_shard take different first steps: {ours} vs {native}")
+            raise RuntimeError(f"dp={dp}: meshlib and {native_name} take different first steps: {r['losses']}")
         med = {k: statistics.median(v) for k, v in r["times"].items()}
         best = {k: min(v) for k, v in r["times"].items()}
         others = max(0, busy - mine) / max(busy, 1)
+        alone = [f"{med['alone'] * 1e3:.1f}"] if zero == 0 else []
         rows.append((
-            f"dp={dp}", f"{med['ours'] * 1e3:.1f}", f"{med['native'] * 1e3:.1f}",
+            f"dp={dp}", f"{med['ours'] * 1e3:.1f}", *alone, f"{med['native'] * 1e3:.1f}",
             f"**{med['ours'] / med['native']:.2f}**", f"{best['ours'] / best['native']:.2f}", rounds, f"{diff:.1e}",
             f"{others:.0%}",
         ))  # fmt: skip
-    header = ("mesh", "meshlib zero=3 ms", "fully_shard ms", "meshlib / native (medians)", "(best rounds)", "rounds",
-              "max loss diff, 2 steps", "CPU taken by other processes")  # fmt: skip
+    alone = ["meshlib, each gradient alone ms"] if zero == 0 else []
+    header = ("mesh", f"meshlib zero={zero} ms", *alone, f"{native_name} ms", "meshlib / native (medians)",
+              "(best rounds)", "rounds", "max loss diff, 2 steps", "CPU taken by other processes")  # fmt: skip
     return markdown(header, rows)
 
 
@@ -230,6 +235,8 @@ def main() -> None:
     per_round = f"{args.steps} step(s) of each per round"
     print(f"(d) step time, llama-small fp32, batch 8 x 128, AdamW(foreach=False); {per_round}\n")
     print(table_race("llama-small", dps, 8, 128, args.rounds, args.steps) + "\n")
+    print(f"(e) step time, ZeRO-0 against DDP, llama-small fp32, batch 8 x 128; {per_round}\n")
+    print(table_race("llama-small", dps, 8, 128, args.rounds, args.steps, zero=0) + "\n")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"total {time.perf_counter() - start:.0f} s; load average at the end (1, 5, 15 min): {load}")
 

@@ -8,8 +8,9 @@ Each function runs on every rank of a gloo `RankPool` and returns plain data:
 - `peak`: the peak of live tensor bytes over one forward and backward, with
   the model state counted as the baseline, by `PeakTracker`.
 - `race`: meshlib's `parallelize(..., zero=3)` against the same model with
-  FSDP2's `fully_shard` applied by hand, from the same initial values; checks
-  both take the same first steps, then times them alternately.
+  FSDP2's `fully_shard` applied by hand (or `zero=0` against torch's DDP, and
+  against meshlib summing each gradient alone), from the same initial values;
+  checks all take the same first steps, then times them alternately.
 
 They live in their own module because a RankPool job pickles by qualified name.
 """
@@ -81,8 +82,9 @@ def peak(model: str, mesh: str, batch: int, seq: int, zero: int, recompute: str,
 
 
 # -- (d) step time against hand-written fully_shard ---------------------------------------------
-def _native(cfg, dp: int, seed: int = 0) -> torch.nn.Module:
-    """The plain model with the values meshlib builds, FSDP2 per TransformerBlock and on the root."""
+def _native(cfg, dp: int, seed: int = 0, ddp: bool = False) -> torch.nn.Module:
+    """The plain model with the values meshlib builds, FSDP2 per TransformerBlock and on the root (`ddp`:
+    in torch's DistributedDataParallel, default buckets, instead)."""
     from torch.distributed.fsdp import fully_shard
 
     model = models.build(cfg, device="cpu")
@@ -90,6 +92,8 @@ def _native(cfg, dp: int, seed: int = 0) -> torch.nn.Module:
         for name, p in model.named_parameters():
             p.copy_(init_full(name, tuple(p.shape), p.dtype, _init(cfg), seed))
     model.init_buffers()
+    if ddp:
+        return torch.nn.parallel.DistributedDataParallel(model)
     dm = mdist.device_mesh(Mesh(dp=dp))
     for block in model.layers:
         fully_shard(block, mesh=dm, reshard_after_forward=True)
@@ -122,27 +126,39 @@ def _timed(fn, steps: int, batches) -> float:
     return float(elapsed) / steps
 
 
-def race(model: str, dp: int, batch: int, seq: int, rounds: int, steps: int, lr: float = 1e-3) -> dict:
-    """meshlib ZeRO-3 against hand-written fully_shard: the same first two losses, then alternated timing."""
+def race(model: str, dp: int, batch: int, seq: int, rounds: int, steps: int, lr: float = 1e-3, zero: int = 3) -> dict:
+    """meshlib at `zero` against torch's own: ZeRO-3 against hand-written fully_shard; ZeRO-0 against DDP,
+    and against meshlib with a bucket per parameter (each gradient summed alone, as before buckets). The
+    same first two losses, then alternated timing."""
     torch.use_deterministic_algorithms(False)  # as under plain torchrun; the same for both sides
     cfg = models.config(model)
     rank, n = dist.get_rank(), dist.get_world_size()
     batches = [data.batch(i, batch_size=batch, seq_len=seq) for i in range(4)]
     per = batch // n
     local = [tuple(t[rank * per : (rank + 1) * per] for t in b) for b in batches]
-    par, _ = _build(model, f"dp={dp}", batch, seq, zero=3)
-    native = _native(cfg, dp)
-    opt_ours = par.optimizer(lr=lr)  # defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01
+    pars = {"ours": _build(model, f"dp={dp}", batch, seq, zero=zero)[0]}
+    if zero == 0:
+        from meshlib_torch.compiler import buckets
+
+        saved = buckets.FIRST_BUCKET_BYTES, buckets.BUCKET_BYTES
+        buckets.FIRST_BUCKET_BYTES = buckets.BUCKET_BYTES = 1  # every gradient its own bucket
+        try:
+            pars["alone"] = _build(model, f"dp={dp}", batch, seq, zero=zero)[0]
+        finally:
+            buckets.FIRST_BUCKET_BYTES, buckets.BUCKET_BYTES = saved
+    native = _native(cfg, dp, ddp=zero == 0)
     opt_native = torch.optim.AdamW(
         native.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=False
-    )
-    ours = lambda b: _step(par, opt_ours, batches[b])  # noqa: E731
-    theirs = lambda b: _native_step(native, opt_native, *local[b])  # noqa: E731
+    )  # meshlib's defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01
+    opts = {k: par.optimizer(lr=lr) for k, par in pars.items()}
+    sides = {k: (lambda b, k=k: _step(pars[k], opts[k], batches[b])) for k in pars}
+    sides["native"] = lambda b: _native_step(native, opt_native, *local[b])
     # the same first step: loss before it, and loss after it (which checks the update too)
-    losses = {"ours": [ours(0), ours(1)], "native": [_global_mean(theirs(0)), _global_mean(theirs(1))]}
-    times = {"ours": [], "native": []}
-    order = [("ours", ours), ("native", theirs)]
+    losses = {k: [fn(0), fn(1)] for k, fn in sides.items() if k != "native"}
+    losses["native"] = [_global_mean(sides["native"](0)), _global_mean(sides["native"](1))]
+    times = {k: [] for k in sides}
+    order = list(sides.items())
     for r in range(rounds):
-        for name, fn in order if r % 2 == 0 else order[::-1]:
+        for name, fn in order[r % len(order) :] + order[: r % len(order)]:
             times[name].append(_timed(fn, steps, range(len(batches))))
     return {"losses": losses, "times": times, "layers": cfg.n_layers, "dim": cfg.dim}

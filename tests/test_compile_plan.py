@@ -3,8 +3,8 @@
 Method: compile the bundled models and check the collectives the plan lists
 against closed forms: Megatron's per-layer count and bytes (2 all-reduces of
 b*s*h forward and 2 backward, or an all-gather plus a reduce-scatter each with
-sequence parallelism), one data-parallel gradient all-reduce per parameter
-shard, and no gather for a fused qkv projection.
+sequence parallelism), data-parallel gradient all-reduces (in DDP's buckets)
+that move every parameter shard once, and no gather for a fused qkv projection.
 """
 
 import math
