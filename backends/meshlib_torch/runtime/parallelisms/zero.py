@@ -20,7 +20,6 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from ...compiler.placement.placements import Replicate
 from ...compiler.program import fsdp_whole, shard_axes
 from ...torch_private import AllGather, ReduceScatter, StridedShard, in_backward
 from ..comm import COUNTER, CommCounter
@@ -168,15 +167,12 @@ def left_whole(par) -> set[int]:
 
 
 def plain_parameters(compiled) -> bool:
-    """ZeRO-0 and ZeRO-2/3 on a mesh of one data axis: the parameters are plain tensors (as under DDP;
-    FSDP2 alone makes them DTensors, as `fully_shard` by hand does), and the compiled graph reads them
-    as they are. Not when that axis splits a parameter (an expert weight on `ep`): that one is a
-    DTensor of its own layout."""
-    zero = compiled.options.zero
+    """ZeRO-2/3 on a mesh of one data axis: the parameters are plain tensors (FSDP2 alone makes them
+    DTensors, as `fully_shard` by hand does), and the compiled graph reads them as they are. Not when
+    that axis splits a parameter (an expert weight on `ep`): that one is a DTensor of its own layout."""
     return (
-        zero != 1 and len(compiled.mesh.axis_names) == 1 and bool(compiled.data_axes)
-        and (zero >= 2 or all(isinstance(p, Replicate) for lay in compiled.param_layouts.values() for p in lay))
-        and not (zero >= 2 and fsdp_whole(compiled))
+        compiled.options.zero >= 2 and len(compiled.mesh.axis_names) == 1 and bool(compiled.data_axes)
+        and not fsdp_whole(compiled)
     )  # fmt: skip
 
 
