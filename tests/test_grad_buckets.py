@@ -105,3 +105,85 @@ def test_the_ranks_sum_the_plans_buckets_behind_backward(run):
     if "ep" in run.mesh:
         assert {axis for _, _, axis, _ in planned} == {"dp", "dp_ep"}
     compare(train_reference(run), pool.run(_train, run, 1024, 4096)[0], run.tolerance)
+
+
+class _Twice:
+    """Sums as two ranks holding the same gradient would (doubles the buffer), at once."""
+
+    def __init__(self, started: list):
+        self.started = started
+
+    def wait(self) -> None:
+        pass
+
+
+def _doubling(params: dict):
+    from meshlib_torch.compiler.buckets import Buckets
+
+    started = []
+
+    class Doubling(Buckets):
+        def reduce(self, buf, bucket):
+            started.append(len(bucket.params))
+            buf.mul_(2)
+            return _Twice(started)
+
+    groups = {n: (None, "dp") for n in params}
+    return Doubling(params, groups, torch.float64, order=list(params)), started
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).double()
+    unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    return model, dict(model.named_parameters()) | {"unused": unused}
+
+
+def test_a_backward_returns_with_every_gradient_summed_and_unused_ones_left_alone():
+    """Buckets of 64 bytes (8 doubles), in one process: each gradient comes back doubled (two ranks' sum),
+    the buckets start in reverse registration order, and a parameter backward never reached keeps no
+    gradient while its bucket is still summed (zeros, so every rank issues the same collectives)."""
+    model, params = _model()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    with _caps(64, 64):
+        sync, started = _doubling(params)
+    model(x).sum().backward()
+    for (name, p), want in zip(model.named_parameters(), reference):
+        torch.testing.assert_close(p.grad, 2 * want, rtol=0, atol=0, msg=name)
+    assert params["unused"].grad is None
+    assert started == [len(b.params) for b in sync.buckets] and len(started) == len(sync.buckets) >= 4
+    assert any(p is params["unused"] for p in sync.buckets[0].params)  # registered last: in the first bucket
+
+
+def test_adding_to_a_summed_gradient_is_refused():
+    """A second backward with the sync on, without clearing the gradients between, would add to a sum and
+    sum it again (n times the first part): refused, naming the parameter and the fix. Cleared (None, or
+    zeroed in place), the next backward sums again."""
+    model, params = _model()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with _caps(64, 64):
+        sync, _ = _doubling(params)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"already summed over 'dp'.*zero_grad"):
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=False)
+    model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    sync.enabled = False  # accumulating: nothing summed, nothing refused
+    model(x).sum().backward()
+    model(x).sum().backward()
+    sync.finish()
+
+
+class _caps:
+    """Bucket limits for a test, restored after."""
+
+    def __init__(self, first: int, cap: int):
+        self.limits = first, cap
+
+    def __enter__(self):
+        self.saved = _patched(*self.limits)
+
+    def __exit__(self, *exc):
+        _restore(self.saved)

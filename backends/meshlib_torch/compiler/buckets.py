@@ -78,9 +78,11 @@ class Buckets:
 
     A bucket is started (`reduce`, asynchronous) once its gradients are in and every bucket before it
     has been started, so the sums run behind the rest of backward; at backward's end the rest are
-    started and all are waited for, so the gradients are summed when `backward()` returns. At most
+    started and all are waited for, so the gradients are summed when `backward()` returns (a parameter
+    backward does not reach holds its bucket, and every later one, until then, as under DDP). At most
     `INFLIGHT` buckets' buffers are held at once (DDP keeps one for every bucket, a second copy of
-    the gradients). `enabled` off: gradients accumulate unsummed until `finish()`."""
+    the gradients). `enabled` off: gradients accumulate unsummed until `finish()`. A gradient added to
+    one already summed is refused (`_arriving`): summed again, that part would count once per rank."""
 
     INFLIGHT = 2
 
@@ -99,13 +101,30 @@ class Buckets:
         self.names = {id(p): n for n, p in named}
         self.params = [p for b in self.buckets for p in b.params]
         self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        self.handles += [p.register_hook(lambda g, p=p: self._arriving(p)) for p in self.params]
+        self._summed: set[int] = set()  # parameters whose gradient holds a sum, until it is cleared
         self._next = 0  # the next bucket to start
-        self._running: deque = deque()  # (gradients, their pieces of the buffer, work), oldest first
+        self._running: deque = deque()  # (parameters, gradients, their pieces of the buffer, work), oldest first
         self._waiting = False  # the end-of-backward callback is queued
 
     def reduce(self, buf: torch.Tensor, bucket: _Bucket):
         """Start summing `buf` over `bucket.group`; returns what `.wait()`s for it."""
         raise NotImplementedError
+
+    def _arriving(self, p: torch.Tensor) -> None:
+        """Before a new gradient is added into `p.grad`: refuse to add it to a sum (the next sum would count
+        the summed part once per rank), whether or not this backward sums."""
+        if id(p) not in self._summed:
+            return
+        if p.grad is not None and bool(local_tensor(p.grad).any()):
+            raise RuntimeError(
+                f"a gradient of {self.names[id(p)]!r} is being added to one already summed over "
+                f"{self.bucket_of[id(p)].axis!r} by an earlier backward (gradient sync was on for it), so "
+                "the sum would count that part once per rank. Fix: clear the gradients after each update "
+                "(opt.zero_grad()), and when accumulating microbatches turn the sync off for all but the "
+                "last (set_gradient_sync(False)), or use train_step, which does both"
+            )
+        self._summed.discard(id(p))  # cleared since (None, or zeroed in place)
 
     def _hook(self, p: torch.Tensor) -> None:
         if not self.enabled:
@@ -145,15 +164,16 @@ class Buckets:
         pieces = buf.split(sizes)
         for g, piece in zip(grads, pieces):
             piece.copy_(g.reshape(-1)) if g is not None else piece.zero_()
-        self._running.append((grads, pieces, self.reduce(buf, bucket)))
+        self._running.append((bucket.params, grads, pieces, self.reduce(buf, bucket)))
         self._next += 1
 
     def _wait_oldest(self) -> None:
-        grads, pieces, work = self._running.popleft()
+        params, grads, pieces, work = self._running.popleft()
         work.wait()
-        for g, piece in zip(grads, pieces):
+        for p, g, piece in zip(params, grads, pieces):
             if g is not None:
                 g.copy_(piece.view(g.shape))
+                self._summed.add(id(p))
 
     def remove(self) -> None:
         for h in self.handles:
