@@ -107,11 +107,8 @@ def test_the_ranks_sum_the_plans_buckets_behind_backward(run):
     compare(train_reference(run), pool.run(_train, run, 1024, 4096)[0], run.tolerance)
 
 
-class _Twice:
-    """Sums as two ranks holding the same gradient would (doubles the buffer), at once."""
-
-    def __init__(self, started: list):
-        self.started = started
+class _Done:
+    """A sum that is already done."""
 
     def wait(self) -> None:
         pass
@@ -125,8 +122,8 @@ def _doubling(params: dict):
     class Doubling(Buckets):
         def reduce(self, buf, bucket):
             started.append(len(bucket.params))
-            buf.mul_(2)
-            return _Twice(started)
+            buf.mul_(2)  # as two ranks holding the same gradient would sum it
+            return _Done()
 
     groups = {n: (None, "dp") for n in params}
     return Doubling(params, groups, torch.float64, order=list(params)), started
