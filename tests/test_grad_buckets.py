@@ -29,8 +29,9 @@ def test_the_buckets_are_ddps(params, first, cap):
     theirs, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap])
     entries = [(str(i), t.dtype, t.numel() * t.element_size()) for i, t in enumerate(tensors)]
     ours = grad_buckets(entries, first, cap)
-    assert [[int(n) for n in names] for _, names in ours] == list(reversed(theirs))
-    assert all(len({tensors[int(n)].dtype for n in names} | {kind}) == 1 for kind, names in ours)
+    assert [[int(n) for n in names] for _, names, _ in ours] == list(reversed(theirs))
+    assert all(len({tensors[int(n)].dtype for n in names} | {kind}) == 1 for kind, names, _ in ours)
+    assert [sum(entries[int(n)][2] for n in names) for _, names, _ in ours] == [nbytes for _, _, nbytes in ours]
 
 
 def _patched(first: int, cap: int):

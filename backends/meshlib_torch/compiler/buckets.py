@@ -32,28 +32,28 @@ BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
 
 def grad_buckets(
     entries: Iterable[tuple[str, Hashable, int]], first: int | None = None, cap: int | None = None
-) -> list[tuple[Hashable, list[str]]]:
-    """`(kind, names)` per bucket, in the order backward fills them, from `(name, kind, bytes)` per
+) -> list[tuple[Hashable, list[str], int]]:
+    """`(kind, names, bytes)` per bucket, in the order backward fills them, from `(name, kind, bytes)` per
     parameter in registration order. Only parameters of one kind share a bucket; each kind's first
     bucket closes at `first` bytes (`FIRST_BUCKET_BYTES`), the rest at `cap` (`BUCKET_BYTES`)."""
     first = FIRST_BUCKET_BYTES if first is None else first
     cap = BUCKET_BYTES if cap is None else cap
     open_: dict[Hashable, tuple[int, list[str], int]] = {}  # kind: (first index, names, bytes)
-    closed: list[tuple[int, Hashable, list[str]]] = []
+    closed: list[tuple[int, Hashable, list[str], int]] = []
     started: set = set()
     for i, (name, kind, nbytes) in enumerate(entries):
         start, names, held = open_.get(kind, (i, [], 0))
         names.append(name)
         held += nbytes
         if held >= (cap if kind in started else first):
-            closed.append((start, kind, names))
+            closed.append((start, kind, names, held))
             started.add(kind)
             open_.pop(kind, None)
         else:
             open_[kind] = (start, names, held)
-    closed += [(start, kind, names) for kind, (start, names, _) in open_.items()]
+    closed += [(start, kind, names, held) for kind, (start, names, held) in open_.items()]
     closed.sort(key=lambda b: b[0])
-    return [(kind, names) for _, kind, names in reversed(closed)]
+    return [(kind, names, held) for _, kind, names, held in reversed(closed)]
 
 
 def most_held(sizes: list[int], inflight: int | None = None) -> int:
@@ -96,7 +96,7 @@ class Buckets:
         entries = [(n, groups[n][1], local_tensor(p).numel() * reduce_dtype.itemsize) for n, p in named]
         by_name = dict(named)
         buckets = grad_buckets(entries)
-        self.buckets = [_Bucket(i, [by_name[n] for n in ns], *groups[ns[0]]) for i, (_, ns) in enumerate(buckets)]
+        self.buckets = [_Bucket(i, [by_name[n] for n in ns], *groups[ns[0]]) for i, (_, ns, _) in enumerate(buckets)]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.names = {id(p): n for n, p in named}
         self.params = [p for b in self.buckets for p in b.params]

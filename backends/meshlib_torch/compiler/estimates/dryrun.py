@@ -199,8 +199,7 @@ def _bucket_sizes(compiled: Compiled, names) -> list[int]:
         (n, g[1], math.prod(compiled.local_param_shape(n)) * size)
         for n, g in groups.items() if g is not None and compiled.traced.params[n].requires_grad
     ]  # fmt: skip
-    held = {n: b for n, _, b in entries}
-    return [sum(held[n] for n in ns) for _, ns in grad_buckets(entries)]
+    return [nbytes for _, _, nbytes in grad_buckets(entries)]
 
 
 def local_input(compiled: Compiled, name: str, x: torch.Tensor) -> torch.Tensor:

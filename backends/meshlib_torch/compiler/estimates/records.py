@@ -188,9 +188,7 @@ def dp_collectives(
                         kind, over, nbytes, name, op, "", f"zero-{options.zero}", phase, count, group, name, pp_rank
                     )
                 )
-    held = {n: b for n, _, b in bucketed}
-    for over, names in grad_buckets(bucketed):
-        nbytes = sum(held[n] for n in names)
+    for over, names, nbytes in grad_buckets(bucketed):
         group = math.prod(sizes[a] for a in over)
         why = f"zero-{options.zero}: a bucket of {len(names)}"
         records.append(
