@@ -1,9 +1,9 @@
 """ZeRO-0/1/2/3: bytes, model state and peak memory against the closed forms, and step time against FSDP2.
 
-    python benchmarks/bench_zero.py                 # everything, about 85 s on 2 cores
+    python benchmarks/bench_zero.py                 # everything, about 2 min on 2 cores
     python benchmarks/bench_zero.py --quick         # fewer rounds, no dp=2 race: a smoke test
 
-Prints five markdown tables:
+Prints six markdown tables:
 
 (a) data-parallel bytes per rank per step for zero 0/1/2/3 on `Mesh(dp=4)`
     (`llama-small`, fp32), counted at meshlib's collective layer (`COUNTER`) on
@@ -23,6 +23,8 @@ Prints five markdown tables:
     with `fully_shard` per block and on the root, alternated, median of rounds.
 (e) the same for ZeRO-0 against torch's DistributedDataParallel (default
     buckets), with meshlib summing each gradient alone beside them.
+(f) the same for ZeRO-1 (its reduce-scatters and all-gathers in buckets)
+    against DDP, with meshlib moving each parameter alone beside them.
 
 The rank-side jobs are in `benchmarks/zero_worker.py` (a RankPool pickles
 them by qualified name, so they cannot live in this script).
@@ -71,7 +73,7 @@ def sync_traffic(result: dict, n: int) -> tuple[dict, dict, int]:
         else:
             counted[(phase, kind)] += nbytes
     for phase, kind, axes, op, nbytes, _group in result["planned"]:
-        if op == "grad sync" and axes == ["dp"]:
+        if op in ("grad sync", "param gather") and axes == ["dp"]:  # ZeRO-2/3 gather parameters
             planned[(phase, kind)] += nbytes
     return dict(counted), dict(planned), loss
 
@@ -179,7 +181,7 @@ def table_peak(model: str, mesh: str, batch: int, seq: int) -> tuple[str, list]:
 # -- (d) step time against fully_shard, (e) against DDP -------------------------------------------------
 def table_race(model: str, dps: tuple[int, ...], batch: int, seq: int, rounds: int, steps: int, zero: int = 3) -> str:
     rows = []
-    native_name = "fully_shard" if zero == 3 else "DDP"
+    native_name = "fully_shard" if zero == 3 else "DDP"  # (ZeRO-1 keeps DDP's step and traffic)
     for dp in dps:
         pool = get_pool(dp)
         before = busy_ticks(), ticks_of(pool.pids)
@@ -192,13 +194,13 @@ def table_race(model: str, dps: tuple[int, ...], batch: int, seq: int, rounds: i
         med = {k: statistics.median(v) for k, v in r["times"].items()}
         best = {k: min(v) for k, v in r["times"].items()}
         others = max(0, busy - mine) / max(busy, 1)
-        alone = [f"{med['alone'] * 1e3:.1f}"] if zero == 0 else []
+        alone = [f"{med['alone'] * 1e3:.1f}"] if zero < 2 else []
         rows.append((
             f"dp={dp}", f"{med['ours'] * 1e3:.1f}", *alone, f"{med['native'] * 1e3:.1f}",
             f"**{med['ours'] / med['native']:.2f}**", f"{best['ours'] / best['native']:.2f}", rounds, f"{diff:.1e}",
             f"{others:.0%}",
         ))  # fmt: skip
-    alone = ["meshlib, each gradient alone ms"] if zero == 0 else []
+    alone = [f"meshlib, each {'gradient' if zero == 0 else 'parameter'} alone ms"] if zero < 2 else []
     header = ("mesh", f"meshlib zero={zero} ms", *alone, f"{native_name} ms", "meshlib / native (medians)",
               "(best rounds)", "rounds", "max loss diff, 2 steps", "CPU taken by other processes")  # fmt: skip
     return markdown(header, rows)
@@ -237,6 +239,8 @@ def main() -> None:
     print(table_race("llama-small", dps, 8, 128, args.rounds, args.steps) + "\n")
     print(f"(e) step time, ZeRO-0 against DDP, llama-small fp32, batch 8 x 128; {per_round}\n")
     print(table_race("llama-small", dps, 8, 128, args.rounds, args.steps, zero=0) + "\n")
+    print(f"(f) step time, ZeRO-1 against DDP, llama-small fp32, batch 8 x 128; {per_round}\n")
+    print(table_race("llama-small", dps, 8, 128, args.rounds, args.steps, zero=1) + "\n")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"total {time.perf_counter() - start:.0f} s; load average at the end (1, 5, 15 min): {load}")
 

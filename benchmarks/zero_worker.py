@@ -127,9 +127,9 @@ def _timed(fn, steps: int, batches) -> float:
 
 
 def race(model: str, dp: int, batch: int, seq: int, rounds: int, steps: int, lr: float = 1e-3, zero: int = 3) -> dict:
-    """meshlib at `zero` against torch's own: ZeRO-3 against hand-written fully_shard; ZeRO-0 against DDP,
-    and against meshlib with a bucket per parameter (each gradient summed alone, as before buckets). The
-    same first two losses, then alternated timing."""
+    """meshlib at `zero` against torch's own: ZeRO-3 against hand-written fully_shard; ZeRO-0 and ZeRO-1
+    against DDP, and against meshlib with a bucket per parameter (each gradient summed, or reduce-scattered
+    and gathered, alone, as before buckets). The same first two losses, then alternated timing."""
     torch.use_deterministic_algorithms(False)  # as under plain torchrun; the same for both sides
     cfg = models.config(model)
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -137,7 +137,7 @@ def race(model: str, dp: int, batch: int, seq: int, rounds: int, steps: int, lr:
     per = batch // n
     local = [tuple(t[rank * per : (rank + 1) * per] for t in b) for b in batches]
     pars = {"ours": _build(model, f"dp={dp}", batch, seq, zero=zero)[0]}
-    if zero == 0:
+    if zero < 2:
         from meshlib_torch.compiler import buckets
 
         saved = buckets.FIRST_BUCKET_BYTES, buckets.BUCKET_BYTES
@@ -146,7 +146,7 @@ def race(model: str, dp: int, batch: int, seq: int, rounds: int, steps: int, lr:
             pars["alone"] = _build(model, f"dp={dp}", batch, seq, zero=zero)[0]
         finally:
             buckets.FIRST_BUCKET_BYTES, buckets.BUCKET_BYTES = saved
-    native = _native(cfg, dp, ddp=zero == 0)
+    native = _native(cfg, dp, ddp=zero < 2)
     opt_native = torch.optim.AdamW(
         native.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=False
     )  # meshlib's defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01

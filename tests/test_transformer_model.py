@@ -219,7 +219,9 @@ def test_published_a100_rows_within_target(published):
 
 def test_published_nvidia_h100_rows_within_target(published):
     """NVIDIA's Megatron-Core runs of the Llama 3.1 405B shape in bf16 on 576, 1,152 and 2,304 H100s (its DGX
-    Cloud benchmark): the H100 profile that puts Llama 3's own rows 14-19% fast puts these within the target."""
+    Cloud benchmark), their tensor-parallel collectives counted exposed: within the target. The recipe overlaps
+    them (userbuffers), so this bounds the H100 profile from one side: counted hidden, the rows are 17-18% fast,
+    as Llama 3's own rows are 14-19% (benchmarks/README.md)."""
     errors = [e for row, e in published if row.source.startswith("NVIDIA")]
     assert len(errors) == 3
     assert sum(errors) / len(errors) <= 0.04 and max(errors) <= 0.10, errors

@@ -2,8 +2,9 @@
 
 - `MeshOptimizer` (`MeshAdamW` its default AdamW): AdamW over fp32 master weights when the parameters are bf16 or
   fp16; with `zero=1` each data-parallel rank keeps only its shard of the
-  masters and moments: the gradient is reduce-scattered into it and the
-  updated shard all-gathered back into the parameter. A tensor no dim of
+  masters and moments: the gradients are reduce-scattered into them and the
+  updated shards all-gathered back into the parameters, many in one collective
+  (`zero1.Zero1Buckets`, in DDP's buckets). A tensor no dim of
   which divides by the data-parallel size is split in torch.chunk's sizes
   (as DTensor and FSDP2 do), its collectives padded to equal pieces. Masters are DTensors
   (the shard is a strided split of the parameter's own layout), so
@@ -23,10 +24,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..compiler.placement import placements as pl
-from ..compiler.placement.shapes import padded, ragged_dims
+from ..compiler.placement.shapes import ragged_dims
 from ..torch_private import local_tensor
-from .comm import COUNTER, CommCounter, all_gather, pad_to, reduce_scatter
+from .comm import COUNTER, CommCounter
 from .dtensor import torch_placements
+from .zero1 import Zero1Buckets
 
 
 class MeshOptimizer(torch.optim.Optimizer):
@@ -53,6 +55,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         fp32_init: dict | None = None,
         reduce_dtype: torch.dtype | None = None,
         counter: CommCounter = COUNTER,
+        order=(),
         **options,
     ):
         self.params, self.zero, self.counter = params, zero, counter
@@ -67,6 +70,7 @@ class MeshOptimizer(torch.optim.Optimizer):
                 self.master[name] = self._sharded_master(name, p, start, layouts[name], mesh_axes, name in fp32_init)
             elif name in fp32_init or (master and zero < 2):
                 self.master[name] = _fp32_copy(start)  # (under ZeRO-2/3: a parameter FSDP2 leaves whole)
+        self.buckets = self._buckets(order)
         targets = [self.master.get(n, p) for n, p in params.items()]
         if "foreach" in inspect.signature(optimizer).parameters:
             options.setdefault("foreach", False)  # one tensor at a time: DTensor shards of every layout
@@ -82,6 +86,17 @@ class MeshOptimizer(torch.optim.Optimizer):
         """Whether ZeRO-1 spreads this parameter's state over more than one rank."""
         g = self.groups[name]
         return g is not None and g.size > 1
+
+    def _buckets(self, order) -> Zero1Buckets | None:
+        """The buckets ZeRO-1 moves the split parameters in, those in registration order (`order`: the
+        traced model's, as the plan lists them; names not in it after)."""
+        first = {n: i for i, n in enumerate(order)}
+        split = sorted((n for n, d in self.shard_dim.items() if d is not None), key=lambda n: first.get(n, len(first)))
+        if not split:
+            return None
+        shapes = {n: tuple(local_tensor(self.params[n]).shape) for n in split}
+        reduce = self.reduce_dtype or _master_dtype(local_tensor(self.params[split[0]]))
+        return Zero1Buckets(shapes, {n: self.shard_dim[n] for n in split}, self.groups, reduce, self.counter)
 
     # -- masters ---------------------------------------------------------------------------------
     def _sharded_master(
@@ -116,14 +131,15 @@ class MeshOptimizer(torch.optim.Optimizer):
         """One update; False when fp16 loss scaling found an overflow and skipped it."""
         if closure is not None:
             raise TypeError("MeshOptimizer.step takes no closure: the model's step runs the forward and backward")
+        summed = self._reduce_scatter()
         for name, p in self.params.items():
             if p.grad is None:
                 continue
             m = self.master.get(name)
             if m is None:
                 continue
-            if self.zero == 1 and self.shard_dim.get(name) is not None:
-                m.grad = _as_like(m, self._reduce_scatter(name, p))
+            if name in summed:
+                m.grad = _as_like(m, summed[name].to(m.dtype))
             elif self.zero == 1 and self._spread(name):  # kept whole (see `zero1_shard_dim`): sum it
                 g, group = local_tensor(p.grad).to(self.reduce_dtype or m.dtype).contiguous(), self.groups[name]
                 dist.all_reduce(g, group=group.group)
@@ -131,39 +147,28 @@ class MeshOptimizer(torch.optim.Optimizer):
                 m.grad = _as_like(m, g.to(m.dtype))
             else:
                 m.grad = _as_like(m, local_tensor(p.grad).to(m.dtype))
+        del summed
         grads = [t.grad for g in self.inner.param_groups for t in g["params"] if t.grad is not None]
         if self.scaler is not None and not self.scaler.unscale_and_check(grads):
             return False
         self.inner.step()
         for name, p in self.params.items():
             m = self.master.get(name)
-            if m is None:
-                continue
-            if self.zero == 1 and self.shard_dim.get(name) is not None:
-                self._all_gather_into(name, m, p)
-            else:
+            if m is not None and (self.buckets is None or name not in self.buckets.shapes):
                 local_tensor(p.data).copy_(local_tensor(m.data))
+        if self.buckets is not None:
+            names = self.buckets.shapes
+            self.buckets.all_gather({n: local_tensor(self.master[n].data) for n in names},
+                                    {n: local_tensor(self.params[n].data) for n in names})  # fmt: skip
         return True
 
-    def _reduce_scatter(self, name: str, p) -> torch.Tensor:
-        """This rank's piece of the summed gradient. An uneven dim is padded to equal pieces for
-        the collective (that padding moves too, and is counted), and the piece cut back."""
-        master, group = self.master[name].dtype, self.groups[name]
-        g = local_tensor(p.grad).to(self.reduce_dtype or master)
-        d = self.shard_dim[name]
-        size = g.shape[d]
-        g = pad_to(g, d, padded(size, group.size))
-        out = reduce_scatter(g, pl.Shard(d), group.group, group.size)
-        self.counter.record("backward", "reduce_scatter", group.axis, g.numel() * g.element_size(), "zero-1")
-        return out.narrow(d, 0, pl.chunk_rows(size, group.size, group.index)[1]).to(master)
-
-    def _all_gather_into(self, name: str, m, p) -> None:
-        d, group = self.shard_dim[name], self.groups[name]
-        target = local_tensor(p.data)
-        piece = pad_to(local_tensor(m.data).to(p.dtype), d, -(-target.shape[d] // group.size))
-        full = all_gather(piece, pl.Shard(d), group.group, group.size)
-        self.counter.record("optimizer", "all_gather", group.axis, full.numel() * full.element_size(), "zero-1")
-        target.copy_(full.narrow(d, 0, target.shape[d]))
+    def _reduce_scatter(self) -> dict[str, torch.Tensor]:
+        """This rank's piece of each split parameter's summed gradient (`Zero1Buckets`): where backward
+        made none on this rank, none; the pieces' padding moves too and is counted."""
+        if self.buckets is None:
+            return {}
+        grads = {n: self.params[n].grad for n in self.buckets.shapes}
+        return self.buckets.reduce_scatter(grads)
 
     # -- state ------------------------------------------------------------------------------------------
     def state_bytes(self) -> int:

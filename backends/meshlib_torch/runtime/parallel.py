@@ -198,7 +198,7 @@ class Parallel(nn.Module):
         opt = MeshOptimizer(
             params, optimizer, zero=self.zero, master=bool(self.fp32_init), groups=self.data_groups(params),
             layouts=c.param_layouts, mesh_axes=c.axes, fp32_init=self.fp32_init,
-            reduce_dtype=getattr(torch, c.options.precision.reduce), **options,
+            reduce_dtype=getattr(torch, c.options.precision.reduce), order=list(c.traced.params), **options,
         )  # fmt: skip
         self.fp32_init = {}  # the optimizer owns the masters now
         if c.plan.precision.param == "float16":

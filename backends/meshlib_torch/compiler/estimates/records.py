@@ -151,7 +151,7 @@ def dp_collectives(
     ranks at pp coordinate `pp_rank`; ZeRO-2/3's parameter all-gathers happen `gathers` times, and
     the gradients of what FSDP2 leaves `whole` are all-reduced. `level`: the ZeRO level whose
     traffic it is, when not the plan's (ZeRO-3 in pipeline stages moves as ZeRO-2 does)."""
-    records, bucketed = [], []
+    records, bucketed, pieces = [], [], []
     sizes = dict(zip(axes.names, axes.sizes))
     param_b, reduce_b = (
         torch.empty((), dtype=getattr(torch, d)).element_size()
@@ -180,7 +180,9 @@ def dp_collectives(
             group = math.prod(sizes[a] for a in over)
             if group > 1 and in_buckets:
                 bucketed.append((name, over, nbytes))  # summed with others in DDP's buckets (`GradSync`)
-            elif group > 1:
+            elif group > 1 and zero == 1 and kind == "reduce_scatter":
+                pieces.append((name, over, nbytes))  # ZeRO-1's buckets (`runtime.zero1`): padded, as they move
+            elif group > 1 and not (zero == 1 and kind == "all_gather"):
                 gather = kind == "all_gather" and phase != "optimizer"
                 op, count = (PARAM_GATHER if gather else GRAD_SYNC), count * (gathers if gather else 1)
                 records.append(
@@ -196,6 +198,13 @@ def dp_collectives(
                 "all_reduce", over, nbytes, names[0], GRAD_SYNC, "", why, "backward", 1, group, names[-1], pp_rank
             )
         )
+    for over, names, nbytes in grad_buckets(pieces):
+        group, why = math.prod(sizes[a] for a in over), f"zero-1: a bucket of {len(names)}"
+        gathered = nbytes // reduce_b * param_b  # the updated pieces, in the parameters' dtype
+        for kind, phase, size in (("reduce_scatter", "backward", nbytes), ("all_gather", "optimizer", gathered)):
+            records.append(
+                Collective(kind, over, size, names[0], GRAD_SYNC, "", why, phase, 1, group, names[-1], pp_rank)
+            )
     return records
 
 

@@ -1,13 +1,13 @@
 """The optimizer step's memory above the model state, on one rank, as the runtime's optimizer runs it.
 
 `MeshOptimizer` (runtime/optim.py) first gives each master its gradient: under mixed precision a
-full-precision copy of the parameter's gradient (ZeRO-1: of this rank's piece, reduce-scattered
-from a full-precision copy of the whole local gradient), all kept until the update ends; then
-the inner optimizer (AdamW, one tensor at a time) updates each master with temporaries of its
-size. Under ZeRO-2/3 FSDP2's shards are the masters and their gradients are already full
+full-precision copy of the parameter's gradient (ZeRO-1: this rank's piece, reduce-scattered in
+buckets, `runtime.zero1`), all kept until the update ends; then the inner optimizer (AdamW, one
+tensor at a time) updates each master with temporaries of its size; ZeRO-1 then all-gathers the
+updated pieces in the same buckets. Under ZeRO-2/3 FSDP2's shards are the masters and their gradients are already full
 precision. The update's temporaries are measured by running torch's own AdamW on meta tensors of
 the masters' sizes; the step's peak is the model state, the gradients, these copies and the
-largest moment of the update.
+largest moment of the update or of ZeRO-1's buckets.
 """
 
 from __future__ import annotations
@@ -20,16 +20,43 @@ import torch
 from meshlib import Compute
 
 from ...memtrack import PeakTracker
-from ..program import Compiled, shard_ranks, zero1_pieces
+from ..buckets import Buckets, grad_buckets, most_held
+from ..program import Compiled, shard_axes, shard_ranks, zero1_pieces
 from .opcount import OpCounter
 
 
 def step_extra(compiled: Compiled, names=None) -> int:
     """Bytes above the model state (parameters, gradients, optimizer state) at the peak of the optimizer
-    step of a rank holding the parameters `names` (all by default)."""
-    sizes, copies, largest = _masters(compiled, names)
+    step of a rank holding the parameters `names` (all by default): ZeRO-1's reduce-scatters, the
+    update, or ZeRO-1's all-gathers (`_zero1_peaks`)."""
+    sizes, copies = _masters(compiled, names)
     full = next(iter(compiled.traced.params.values())).dtype
-    return copies + max(largest, _update_peak(sizes, full))
+    scatter, gather = _zero1_peaks(compiled, names, full, copies)
+    return max(scatter, copies + max(gather, _update_peak(sizes, full)))
+
+
+def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> tuple[int, int]:
+    """ZeRO-1's buckets (`runtime.zero1.Zero1Buckets`), at most `Buckets.INFLIGHT` in flight: the most bytes
+    held while the gradients are reduce-scattered (each bucket's input, and its output, which holds the
+    masters' gradients; where the gradients sum in another dtype than the masters', the outputs are held
+    until the masters' gradients, `copies`, are made from them), and above the masters' gradients while
+    the updated pieces are all-gathered (each bucket's pieces and their gathered whole)."""
+    opts = compiled.options
+    reduce, param = (getattr(torch, d).itemsize for d in (opts.precision.reduce, opts.precision.param))
+    pieces = zero1_pieces(compiled)
+    entries = [
+        (n, shard_axes(compiled, n), pieces[n] * shard_ranks(compiled, n) * reduce)
+        for n in compiled.traced.params
+        if pieces.get(n) is not None and shard_ranks(compiled, n) > 1 and (names is None or n in names)
+    ]  # fmt: skip
+    buckets = [(nbytes, shard_ranks(compiled, ns[0])) for _, ns, nbytes in grad_buckets(entries)]
+    k, scatter, outputs = Buckets.INFLIGHT, 0, 0
+    for i, (nbytes, n) in enumerate(buckets):
+        outputs += nbytes // n
+        scatter = max(scatter, outputs + sum(b for b, _ in buckets[max(0, i - k + 1) : i + 1]))
+    if reduce != full.itemsize:
+        scatter = max(scatter, outputs + copies)
+    return scatter, most_held([nbytes // reduce * param * (n + 1) // n for nbytes, n in buckets])
 
 
 def optimizer_compute(compiled: Compiled, names=None) -> Compute:
@@ -50,14 +77,14 @@ def optimizer_compute(compiled: Compiled, names=None) -> Compute:
     return out
 
 
-def _masters(compiled: Compiled, names=None) -> tuple[list[int], int, int]:
-    """The elements of each master the update steps on this rank, the bytes of the masters' gradients kept
-    until it ends, and the largest temporary of a ZeRO-1 reduce-scatter."""
+def _masters(compiled: Compiled, names=None) -> tuple[list[int], int]:
+    """The elements of each master the update steps on this rank, and the bytes of the masters' gradients
+    kept until it ends."""
     opts = compiled.options
     full = next(iter(compiled.traced.params.values())).dtype
     mixed = getattr(torch, opts.precision.param) in (torch.bfloat16, torch.float16)
     pieces = zero1_pieces(compiled)
-    sizes, copies, largest = [], 0, 0
+    sizes, copies = [], 0
     for name in compiled.traced.params:
         if names is not None and name not in names:
             continue
@@ -70,9 +97,7 @@ def _masters(compiled: Compiled, names=None) -> tuple[list[int], int, int]:
         sizes.append(size)
         if mixed or piece is not None:
             copies += size * full.itemsize  # the master's gradient, kept until the update ends
-        if piece is not None:  # a full-precision copy of the local gradient, reduce-scattered into the piece
-            largest = max(largest, 2 * local * full.itemsize)
-    return sizes, copies, largest
+    return sizes, copies
 
 
 def _update_peak(sizes: list[int], dtype: torch.dtype) -> int:

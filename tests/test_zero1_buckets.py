@@ -1,0 +1,76 @@
+"""ZeRO-1's reduce-scatters and all-gathers in buckets: the ranks issue exactly the plan's collectives, one
+per bucket, in order and bytes (padding included), fewer than the parameters they move; and training
+equals the single process's. Buckets are shrunk so that tiny models fill several.
+
+References: the plan's records (`estimates.records.dp_collectives`), and the unsharded run (the parity
+harness).
+"""
+
+import pytest
+from test_grad_buckets import _patched, _restore
+
+from meshlib import Mesh
+from meshlib_torch.testing.parity import RunConfig, compare, train_reference
+from meshlib_torch.testing.pool import get_pool
+
+
+def _one_step(run: RunConfig, first: int, cap: int):
+    """One step on the ranks: ZeRO-1's collectives as issued, the plan's, and how many parameters ZeRO-1
+    splits on this rank."""
+    from meshlib_torch.runtime.comm import CommCounter
+    from meshlib_torch.testing.parity import batch_of, build_parallel
+
+    saved = _patched(first, cap)
+    try:
+        par = build_parallel(run)
+        opt = par.optimizer(lr=1e-3)
+        issued = []
+
+        class Log(CommCounter):
+            def record(self, phase, kind, axis, nbytes, where):
+                if where == "zero-1":
+                    issued.append((phase, kind, axis, nbytes))
+
+        opt.buckets.counter = Log()
+        par(*batch_of(run, 0)).backward()
+        opt.step()
+        planned = [(c.phase, c.kind, "_".join(c.axes), c.bytes) for c in par.plan.collectives
+                   if c.reason.startswith("zero-1")]  # fmt: skip
+        return issued, planned, len(opt.buckets.shapes)
+    finally:
+        _restore(saved)
+
+
+def _train(run: RunConfig, first: int, cap: int):
+    from meshlib_torch.testing.parity import train_parallel
+
+    saved = _patched(first, cap)
+    try:
+        return train_parallel(run)
+    finally:
+        _restore(saved)
+
+
+CASES = [
+    RunConfig(model="llama-tiny", mesh="dp=3", zero=1, batch_size=6),  # no dim divides by 3: padded pieces
+    RunConfig(model="llama-tiny", mesh="dp=2,tp=2", zero=1, dtype="float32", precision="bf16", lr=1e-3),
+    RunConfig(model="moe-tiny", mesh="dp=2,ep=2", zero=1, seq_len=8),
+]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("run", CASES, ids=lambda r: f"{r.model}-{r.mesh}-{r.precision or r.dtype}")
+def test_the_ranks_move_the_plans_buckets(run):
+    """Buckets of 4 KiB, the first 1 KiB: one reduce-scatter and one all-gather per planned bucket, in the
+    plan's order and bytes, at least 3 of each and fewer than the parameters split; three AdamW steps
+    equal the single process's. With experts, their weights (sharded over dp alone) bucket apart."""
+    pool = get_pool(Mesh.parse(run.mesh).size)
+    for issued, planned, split in pool.run(_one_step, run, 1024, 4096):
+        assert sorted(issued) == sorted(planned)
+        scatters = [x for x in issued if x[1] == "reduce_scatter"]
+        assert issued == scatters + [x for x in issued if x[1] == "all_gather"]  # every sum before the update
+        assert [x for x in planned if x[1] == "reduce_scatter"] == scatters
+        assert 3 <= len(scatters) < split
+    if "ep" in run.mesh:
+        assert {axis for _, _, axis, _ in planned} == {"dp", "dp_ep"}
+    compare(train_reference(run), pool.run(_train, run, 1024, 4096)[0], run.tolerance)
