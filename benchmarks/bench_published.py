@@ -186,9 +186,9 @@ def choices(results: list[tuple[Row, Prediction]]) -> tuple[list[str], list[list
         if key in seen:
             continue
         seen.add(key)
-        run = {k: getattr(row.config, k) for k in ("flash", "dp_overlap", "tp_overlap", "async_p2p",  # the published
-                                                    "fused_accumulation", "reduce_dtype", "fused_elementwise",
-                                                    "recv_buffers", "main_grads")}  # runtime's, memory too; fmt: skip
+        run = {k: getattr(row.config, k) for k in ("flash", "dp_overlap", "zero1_overlap", "tp_overlap",  # published
+                                                    "async_p2p", "fused_accumulation", "reduce_dtype",
+                                                    "fused_elementwise", "recv_buffers", "main_grads")}  # fmt: skip
         best = search(row.shape, devices=devices, batch=row.batch, seq=row.seq, profile=row.profile,
                       dtype=row.config.dtype, runtime=run, top=1)[0]  # fmt: skip
         mine = min((p for r, p in results if (r.shape, r.config.mesh.size, r.batch, r.seq) == key[:4]),

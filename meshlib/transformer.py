@@ -204,6 +204,9 @@ class StepConfig:
       fused scale-mask-softmax, every product computed whole);
     - `dp_overlap`: gradient reductions run while backward still computes (bucketed DDP, FSDP) and ZeRO's
       parameter gathers are prefetched; False: they run after the pipeline flushes (Megatron-LM 2021-22);
+    - `zero1_overlap`: with `dp_overlap`, ZeRO-1's reduce-scatters run behind backward and its gathers
+      behind the next forward (Megatron's distributed optimizer); False: both in the optimizer step, after
+      backward (meshlib's runtime);
     - `tp_overlap`: "none"; "backward": Megatron's asynchronous input-gradient collective, hidden behind the
       weight-gradient product of the same linear (and sequence parallelism's re-gather behind the
       input-gradient product); "all": every tensor-parallel collective behind a matrix product;
@@ -240,6 +243,7 @@ class StepConfig:
     dtype: str = "bfloat16"
     flash: bool = True
     dp_overlap: bool = True
+    zero1_overlap: bool = True
     tp_overlap: str = "none"
     reduce_dtype: str = "float32"
     main_grads: bool = True

@@ -119,8 +119,9 @@ def _axes(c, *names: str) -> tuple[str, ...]:
 def step_comm(params: tuple[float, float], c, m: int, *, tied: bool, embed_bytes: float) -> tuple[Comm, ...]:
     """Per-step gradient sync and ZeRO's gathers for a rank holding `params` (outside, inside the experts)."""
     g, e = ITEMSIZE[c.reduce_dtype], ITEMSIZE[c.dtype]
-    behind = "backward" if c.dp_overlap else "none"
-    prefetch = "forward" if c.dp_overlap else "none"
+    overlaps = c.dp_overlap and (c.zero != 1 or c.zero1_overlap)
+    behind = "backward" if overlaps else "none"
+    prefetch = "forward" if overlaps else "none"
     out: list[Comm] = []
     for count, axes in ((params[0], _axes(c, "dp", "cp", "ep")), (params[1], _axes(c, "dp", "cp"))):
         if not count or not axes:

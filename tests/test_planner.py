@@ -295,6 +295,30 @@ def test_fsdp2s_collectives_are_timed_one_per_unit_with_every_parameters_bytes()
         c.bytes * c.count for c in listed)
 
 
+def test_zero1s_collectives_wait_for_the_step_that_moves_them():
+    """meshlib's ZeRO-1 reduce-scatters the gradients and gathers the updated pieces in its optimizer step,
+    after backward: the plan's workload leaves them exposed, where ZeRO-0's bucketed sums hide behind
+    backward. The closed form says the same for meshlib's runtime, and hides them for Megatron's distributed
+    optimizer (`zero1_overlap`), whose step is then shorter on the A100 profile."""
+    from meshlib import predict
+    from meshlib_torch import data
+
+    cfg, mesh = models.config("llama-small"), Mesh(dp=4)
+    overlaps = {}
+    for zero in (0, 1):
+        plan = compile_model(models.build(cfg, device="meta"), mesh=mesh, rules=models.default_rules(cfg, mesh),
+                             example_inputs=data.batch(0, batch_size=8, seq_len=16), zero=zero,
+                             estimate_memory=True).plan  # fmt: skip
+        overlaps[zero] = {(c.kind, c.overlap) for c in workload_of(plan).stages[0].step_comm if c.axes == ("dp",)}
+    assert overlaps == {0: {("all_reduce", "backward")}, 1: {("reduce_scatter", "none"), ("all_gather", "none")}}
+    config = StepConfig(dp=8, tp=1, pp=1, zero=1, microbatch=4, dtype="bfloat16", **RUNTIME)
+    ours, megatron = (workload(GPT_350M, dataclasses.replace(config, zero1_overlap=o), batch=32, seq=2048)
+                      for o in (False, True))  # fmt: skip
+    assert {c.overlap for c in ours.stages[0].step_comm} == {"none"}
+    assert {c.overlap for c in megatron.stages[0].step_comm} == {"backward", "forward"}
+    assert predict(ours, A100).step_time > predict(megatron, A100).step_time
+
+
 def test_a_pipeline_on_shared_cores_takes_the_longer_of_its_schedule_alone_and_its_work_shared():
     """Four pipeline ranks on a host of 2 cores: a rank waiting in the bubble lends its core. The step is the
     longer of the schedule simulated at each rank's speed alone and each rank's work at half speed; without
