@@ -38,8 +38,10 @@ class MeshOptimizer(torch.optim.Optimizer):
     The optimizer class (`optimizer`, default AdamW) and its arguments (`options`) are the user's. It
     updates each parameter's master where there is one (a bf16/fp16 parameter's fp32 copy, or ZeRO-1's
     shard of it), so its state is sharded exactly as the masters are; the updated master is copied or
-    all-gathered back into the parameter. This is a `torch.optim.Optimizer` whose `param_groups` and
-    `state` are the inner optimizer's, so learning-rate schedulers drive it as they drive any other.
+    all-gathered back into the parameter. Under ZeRO-1 `step` frees the gradient of each parameter it
+    splits once it is reduce-scattered (`.grad` is None after it), as FSDP2 frees an unsharded gradient.
+    This is a `torch.optim.Optimizer` whose `param_groups` and `state` are the inner optimizer's, so
+    learning-rate schedulers drive it as they drive any other.
     """
 
     def __init__(
@@ -133,13 +135,11 @@ class MeshOptimizer(torch.optim.Optimizer):
             raise TypeError("MeshOptimizer.step takes no closure: the model's step runs the forward and backward")
         summed = self._reduce_scatter()
         for name, p in self.params.items():
-            if p.grad is None:
-                continue
             m = self.master.get(name)
-            if m is None:
-                continue
             if name in summed:
                 m.grad = _as_like(m, summed[name].to(m.dtype))
+            elif p.grad is None or m is None:
+                continue
             elif self.zero == 1 and self._spread(name):  # kept whole (see `zero1_shard_dim`): sum it
                 g, group = local_tensor(p.grad).to(self.reduce_dtype or m.dtype).contiguous(), self.groups[name]
                 dist.all_reduce(g, group=group.group)
@@ -163,12 +163,12 @@ class MeshOptimizer(torch.optim.Optimizer):
         return True
 
     def _reduce_scatter(self) -> dict[str, torch.Tensor]:
-        """This rank's piece of each split parameter's summed gradient (`Zero1Buckets`): where backward
-        made none on this rank, none; the pieces' padding moves too and is counted."""
+        """This rank's piece of each split parameter's summed gradient (`Zero1Buckets`, which frees the
+        parameter's own gradient once its bucket holds it): where backward made none, none; the pieces'
+        padding moves too and is counted."""
         if self.buckets is None:
             return {}
-        grads = {n: self.params[n].grad for n in self.buckets.shapes}
-        return self.buckets.reduce_scatter(grads)
+        return self.buckets.reduce_scatter({n: self.params[n] for n in self.buckets.shapes})
 
     # -- state ------------------------------------------------------------------------------------------
     def state_bytes(self) -> int:

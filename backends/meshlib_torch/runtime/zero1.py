@@ -67,33 +67,40 @@ class Zero1Buckets:
                 offset += int(torch.Size(shape).numel())
             self.buckets.append(_Bucket(groups[names[0]], pieces, offset))
 
-    def reduce_scatter(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """This rank's piece of each summed gradient (`grads`: the local gradients, None where backward
-        made none: zeros are summed and nothing returned), in `reduce_dtype`: views into each bucket's
-        output, or copies where a narrower piece than the padded one is this rank's."""
+    def reduce_scatter(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's piece of each parameter's summed gradient (`params`: name to parameter), in
+        `reduce_dtype`: views into each bucket's output. A parameter's gradient is freed (`.grad = None`)
+        once its bucket holds it, as FSDP2 frees an unsharded gradient once reduce-scattered; where backward
+        made none, zeros are summed and no piece is returned."""
         out: dict[str, torch.Tensor] = {}
         running: deque = deque()
         for b in self.buckets:
             while len(running) >= Buckets.INFLIGHT:
-                self._took(*running.popleft(), grads, out)
-            n, device = b.group.size, self._device(grads, b)
-            buf = torch.empty(n, b.numel, dtype=self.reduce_dtype, device=device)
+                self._took(*running.popleft(), out)
+            n, first = b.group.size, local_tensor(params[b.pieces[0].name])
+            buf = torch.empty(n, b.numel, dtype=self.reduce_dtype, device=first.device)
+            had = set()
             for piece in b.pieces:
                 region = buf[:, piece.offset : piece.offset + _numel(piece.shape)].view(n, *piece.shape)
-                g = grads.get(piece.name)
-                _scatter_rows(region, None if g is None else local_tensor(g), piece, self.shapes[piece.name][piece.dim])
-            mine = torch.empty(b.numel, dtype=self.reduce_dtype, device=device)
+                p = params[piece.name]
+                grad = None if p.grad is None else local_tensor(p.grad)
+                _scatter_rows(region, grad, piece, self.shapes[piece.name][piece.dim])
+                if grad is not None:
+                    had.add(piece.name)
+                p.grad = grad = None
+            mine = torch.empty(b.numel, dtype=self.reduce_dtype, device=first.device)
             work = _reduce_scatter_single(mine, buf.view(-1), group=b.group.group, async_op=True)
             self.counter.record("backward", "reduce_scatter", b.group.axis, buf.numel() * buf.element_size(), "zero-1")
-            running.append((b, mine, work))
+            running.append((b, buf, mine, work, had))
+            del buf
         while running:
-            self._took(*running.popleft(), grads, out)
+            self._took(*running.popleft(), out)
         return out
 
-    def _took(self, b: _Bucket, mine: torch.Tensor, work, grads, out) -> None:
+    def _took(self, b: _Bucket, buf: torch.Tensor, mine: torch.Tensor, work, had: set, out) -> None:
         work.wait()
         for piece in b.pieces:
-            if grads.get(piece.name) is None:
+            if piece.name not in had:
                 continue
             _, rows = chunk_rows(self.shapes[piece.name][piece.dim], b.group.size, b.group.index)
             view = mine[piece.offset : piece.offset + _numel(piece.shape)].view(piece.shape)
@@ -126,10 +133,6 @@ class Zero1Buckets:
         for piece in b.pieces:
             region = parts[:, piece.offset : piece.offset + _numel(piece.shape)].view(n, *piece.shape)
             _gather_rows(targets[piece.name], region, piece, n)
-
-    @staticmethod
-    def _device(grads, b: _Bucket) -> torch.device:
-        return next((g.device for p in b.pieces if (g := grads.get(p.name)) is not None), torch.device("cpu"))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

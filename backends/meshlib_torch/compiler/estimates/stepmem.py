@@ -28,19 +28,23 @@ from .opcount import OpCounter
 def step_extra(compiled: Compiled, names=None) -> int:
     """Bytes above the model state (parameters, gradients, optimizer state) at the peak of the optimizer
     step of a rank holding the parameters `names` (all by default): ZeRO-1's reduce-scatters, the
-    update, or ZeRO-1's all-gathers (`_zero1_peaks`)."""
+    update, or ZeRO-1's all-gathers (`_zero1_peaks`). Negative where ZeRO-1 frees more gradients than
+    the step makes."""
     sizes, copies = _masters(compiled, names)
     full = next(iter(compiled.traced.params.values())).dtype
-    scatter, gather = _zero1_peaks(compiled, names, full, copies)
-    return max(scatter, copies + max(gather, _update_peak(sizes, full)))
+    scatter, gather, freed = _zero1_peaks(compiled, names, full, copies)
+    return max(scatter, copies - freed + max(gather, _update_peak(sizes, full)))
 
 
-def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> tuple[int, int]:
+def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> tuple[int, int, int]:
     """ZeRO-1's buckets (`runtime.zero1.Zero1Buckets`), at most `Buckets.INFLIGHT` in flight: the most bytes
-    held while the gradients are reduce-scattered (each bucket's input, and its output, which holds the
-    masters' gradients; where the gradients sum in another dtype than the masters', the outputs are held
-    until the masters' gradients, `copies`, are made from them), and above the masters' gradients while
-    the updated pieces are all-gathered (each bucket's pieces and their gathered whole)."""
+    held, beside the gradients not yet freed, while the gradients are reduce-scattered (each bucket's
+    input, its output, which holds the masters' gradients, and while it is waited for the copy of its input
+    gloo sums; a parameter's own gradient is freed once its bucket holds it; where the gradients sum in
+    another dtype than the masters', the outputs are held until the masters' gradients, `copies`, are
+    made from them); the most above the masters' gradients while the updated pieces are all-gathered
+    (each bucket's pieces and their gathered whole); and the bytes of the gradients freed. (NCCL
+    reduce-scatters without gloo's copy: there the plan is one bucket's input high.)"""
     opts = compiled.options
     reduce, param = (getattr(torch, d).itemsize for d in (opts.precision.reduce, opts.precision.param))
     pieces = zero1_pieces(compiled)
@@ -49,14 +53,31 @@ def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> t
         for n in compiled.traced.params
         if pieces.get(n) is not None and shard_ranks(compiled, n) > 1 and (names is None or n in names)
     ]  # fmt: skip
-    buckets = [(nbytes, shard_ranks(compiled, ns[0])) for _, ns, nbytes in grad_buckets(entries)]
-    k, scatter, outputs = Buckets.INFLIGHT, 0, 0
-    for i, (nbytes, n) in enumerate(buckets):
-        outputs += nbytes // n
-        scatter = max(scatter, outputs + sum(b for b, _ in buckets[max(0, i - k + 1) : i + 1]))
+    grads = {n: math.prod(compiled.local_param_shape(n)) * param for n, _, _ in entries}  # in the compute dtype
+    buckets = [(nbytes, shard_ranks(compiled, ns[0]), sum(grads[n] for n in ns))
+               for _, ns, nbytes in grad_buckets(entries)]  # fmt: skip
+    live = scatter = outputs = freed = 0
+    running: list[int] = []  # the inputs of the buckets in flight, oldest first
+
+    def wait_oldest() -> int:  # gloo sums a reduce-scatter as an all-reduce of a copy of its input
+        nbytes = running.pop(0)
+        return max(scatter, live + nbytes), live - nbytes
+
+    for nbytes, n, held in buckets:
+        while len(running) >= Buckets.INFLIGHT:
+            scatter, live = wait_oldest()
+        live += nbytes  # its input
+        scatter = max(scatter, live)
+        live += nbytes // n - held  # its gradients freed once copied in, its output made
+        outputs, freed = outputs + nbytes // n, freed + held
+        scatter = max(scatter, live)
+        running.append(nbytes)
+    while running:
+        scatter, live = wait_oldest()
     if reduce != full.itemsize:
-        scatter = max(scatter, outputs + copies)
-    return scatter, most_held([nbytes // reduce * param * (n + 1) // n for nbytes, n in buckets])
+        scatter = max(scatter, outputs + copies - freed)
+    gather = most_held([nbytes // reduce * param * (n + 1) // n for nbytes, n, _ in buckets])
+    return scatter, gather, freed
 
 
 def optimizer_compute(compiled: Compiled, names=None) -> Compute:
