@@ -4,10 +4,10 @@
 full-precision copy of the parameter's gradient (ZeRO-1: this rank's piece, reduce-scattered in
 buckets, `runtime.zero1`), all kept until the update ends; then the inner optimizer (AdamW, one
 tensor at a time) updates each master with temporaries of its size; ZeRO-1 then all-gathers the
-updated pieces in the same buckets. Under ZeRO-2/3 FSDP2's shards are the masters and their gradients are already full
-precision. The update's temporaries are measured by running torch's own AdamW on meta tensors of
-the masters' sizes; the step's peak is the model state, the gradients, these copies and the
-largest moment of the update or of ZeRO-1's buckets.
+updated pieces in the same buckets. Under ZeRO-2/3 FSDP2's shards are the masters and their
+gradients are already full precision. The update's temporaries are measured by running torch's own
+AdamW on meta tensors of the masters' sizes; the step's peak is the model state, the gradients, these
+copies and the largest moment of the update or of ZeRO-1's buckets.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> t
     live = scatter = outputs = freed = 0
     running: list[int] = []  # the inputs of the buckets in flight, oldest first
 
-    def wait_oldest() -> int:  # gloo sums a reduce-scatter as an all-reduce of a copy of its input
+    def wait_oldest() -> tuple[int, int]:  # gloo sums a reduce-scatter as an all-reduce of a copy of its input
         nbytes = running.pop(0)
         return max(scatter, live + nbytes), live - nbytes
 
