@@ -382,6 +382,10 @@ def parser() -> argparse.ArgumentParser:
     _common(run, own_models=False)
     run.add_argument("--steps", type=_positive, default=20, help="optimizer steps")
     run.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW learning rate")
+    run.add_argument(
+        "--max-norm", type=_positive_float, default=None, metavar="NORM",
+        help="clip the gradients to this global norm before each update (the whole model's, on every layout)",
+    )  # fmt: skip
     run.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
     run.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
     run.add_argument(

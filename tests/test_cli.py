@@ -99,6 +99,7 @@ BAD = [
     (["plan", "--split-points", "x"], "give layer indices separated by commas"),
     (["plan", "--batch", "0"], "argument --batch: 0 is not positive"),
     (["run", "--lr", "-1"], "argument --lr: -1 is not positive"),
+    (["run", "--max-norm", "0"], "argument --max-norm: 0 is not positive"),
     (["plan", "--capacity-factor", "inf"], "argument --capacity-factor: inf is not positive"),
     (["plan", "--expert-load", "0.5"], "argument --expert-load: 0.5 is not a finite number of at least 1"),
     (["run", "--model", "mypkg.net:build"], "`meshlib run` trains the bundled models"),

@@ -309,7 +309,8 @@ def run_main(args, argv: list[str] | None = None) -> None:
 
     run = RunConfig(
         model=args.model, mesh=args.mesh, steps=args.steps, batch_size=args.batch, seq_len=_seq(args, cap=64),
-        dtype=args.dtype, lr=args.lr, seed=args.seed, sequence_parallel=args.sp, overrides=_overrides(args),
+        dtype=args.dtype, lr=args.lr, max_norm=args.max_norm, seed=args.seed, sequence_parallel=args.sp,
+        overrides=_overrides(args),
         zero=zero_level(args.zero), precision=args.precision or "", recompute=args.recompute,
         microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks,
         split_points=tuple(args.split_points or ()) or None, balance=args.balance, weights=args.weights,

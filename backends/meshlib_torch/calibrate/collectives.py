@@ -15,12 +15,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..runtime.comm import all_gather_single, reduce_scatter_single
+
 __all__ = ["KINDS", "collective_times", "message_sizes"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def message_sizes(quick: bool) -> tuple[int, ...]:
@@ -38,10 +37,10 @@ def _call(kind: str, nbytes: int):
         return (lambda: dist.all_reduce(x)), numel * 4
     if kind == "all_gather":
         out, mine = torch.empty(numel), torch.ones(numel // n)
-        return (lambda: _all_gather_single(out, mine)), numel * 4
+        return (lambda: all_gather_single(out, mine)), numel * 4
     if kind == "reduce_scatter":
         out = torch.empty(numel // n)
-        return (lambda: _reduce_scatter_single(out, x)), numel * 4
+        return (lambda: reduce_scatter_single(out, x)), numel * 4
     if kind == "all_to_all":
         out = torch.empty(numel)
         return (lambda: dist.all_to_all_single(out, x)), numel * 4

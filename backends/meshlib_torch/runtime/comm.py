@@ -82,8 +82,8 @@ def unblocks(stacked: torch.Tensor, p: Shard) -> torch.Tensor:
 
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _flat0(shape) -> tuple[int, ...]:
@@ -101,7 +101,7 @@ def all_gather(x: torch.Tensor, p: Shard, group, n: int, size: int | None = None
         return all_gather(x, p, group, n).narrow(p.dim, 0, size)
     x = x.contiguous()
     flat = torch.empty(_flat0((n,) + tuple(x.shape)) if x.dim() else (n,), dtype=x.dtype, device=x.device)
-    _all_gather_single(flat, x if x.dim() else x.reshape(1), group=group)
+    all_gather_single(flat, x if x.dim() else x.reshape(1), group=group)
     return unblocks(flat.reshape((n,) + tuple(x.shape)), p)
 
 
@@ -114,7 +114,7 @@ def reduce_scatter(x: torch.Tensor, p: Shard, group, n: int, rank: int = 0) -> t
         return out.narrow(p.dim, 0, chunk_rows(size, n, rank)[1])
     stacked = blocks(x, p, n).contiguous()
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, stacked.reshape(_flat0(stacked.shape)), group=group)
+    reduce_scatter_single(out, stacked.reshape(_flat0(stacked.shape)), group=group)
     return out
 
 
@@ -305,4 +305,7 @@ def reducer(groups: dict, counter: CommCounter = COUNTER):
     return reduce
 
 
-__all__ = ["COUNTER", "Comm", "CommCounter", "all_gather", "all_reduce", "pad_to", "reduce_scatter", "reducer"]
+__all__ = [
+    "COUNTER", "Comm", "CommCounter", "all_gather", "all_reduce", "all_gather_single", "pad_to", "reduce_scatter",
+    "reducer", "reduce_scatter_single",
+]  # fmt: skip

@@ -138,11 +138,14 @@ class Parallel(nn.Module):
         dtype = getattr(torch, self.compiled.plan.precision.output)
         return out.to(dtype) if torch.is_tensor(out) and out.is_floating_point() else out
 
-    def train_step(self, batch, opt: MeshOptimizer) -> float:
+    def train_step(self, batch, opt: MeshOptimizer, *, max_norm: float | None = None) -> float:
         """Forward and backward over the global `batch`'s microbatches, then one update; the mean loss.
 
         The gradients of all microbatches are summed before they are summed over the data-parallel
-        axes (once), and each microbatch counts 1/m, so the step equals one over the whole batch."""
+        axes (once), and each microbatch counts 1/m, so the step equals one over the whole batch.
+        `max_norm`: clip the gradients to that global norm first (`clip_grad_norm_`); the norm before
+        clipping is `last_grad_norm`."""
+        check_max_norm(max_norm)
         local = self.local_inputs(*batch_call(batch))
         if self.pipeline is not None:
             self.set_gradient_sync(False)
@@ -153,7 +156,9 @@ class Parallel(nn.Module):
                 self.grad_sync.flush()
         else:
             loss = self._accumulate(local, opt)
-        if self.track_grad_norm:
+        if max_norm is not None:
+            self.last_grad_norm = self.clip_grad_norm_(max_norm, scale=opt.scaler.scale if opt.scaler else 1.0)
+        elif self.track_grad_norm:
             self.last_grad_norm = self.grad_norm() / (opt.scaler.scale if opt.scaler else 1.0)
         opt.step()
         opt.zero_grad()
@@ -238,6 +243,32 @@ class Parallel(nn.Module):
         if self.pipeline is not None:
             dist.all_reduce(total, group=self.pipeline.group)
         return float(total.sqrt())
+
+
+    def clip_grad_norm_(self, max_norm: float, *, scale: float = 1.0) -> float:
+        """Scale every gradient so that their global norm is at most `max_norm`, as
+        `torch.nn.utils.clip_grad_norm_` does on one process (by max_norm / (norm + 1e-6) where that is
+        below 1); returns the norm before clipping. Call it between backward and `opt.step()`, on every
+        rank. The norm is `grad_norm`'s, over every axis and stage, so it is right on every layout:
+        torch's own function would read a pipeline stage's norm for the whole model's, and under ZeRO-1
+        each rank's gradient before the step is its own, not yet summed over the data axes. `scale`: the
+        loss scale the gradients carry (fp16): the norm is of the unscaled ones. A norm that is not
+        finite clips nothing (fp16's loss scaling then skips the step)."""
+        check_max_norm(max_norm)
+        norm = self.grad_norm() / scale
+        coef = max_norm / (norm + 1e-6)
+        if math.isfinite(norm) and coef < 1.0:
+            for p in self.named_model_parameters().values():
+                if p.grad is not None:
+                    local_tensor(p.grad).mul_(coef)  # under ZeRO-1 a sum of scaled gradients is the scaled sum
+        return norm
+
+
+def check_max_norm(max_norm: float | None) -> None:
+    """Refuse a clipping norm that is not a positive number (before any collective)."""
+    number = isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+    if max_norm is not None and not (number and math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"max_norm={max_norm!r}: clip to a positive, finite gradient norm (e.g. 1.0), or pass None")
 
 
 def _waited(value: torch.Tensor, work) -> float:

@@ -20,7 +20,7 @@ import torch
 from ..compiler.buckets import Buckets, grad_buckets
 from ..compiler.placement.placements import chunk_rows
 from ..torch_private import local_tensor
-from .comm import CommCounter, _all_gather_single, _reduce_scatter_single
+from .comm import CommCounter, all_gather_single, reduce_scatter_single
 
 
 class _Piece(NamedTuple):
@@ -89,7 +89,7 @@ class Zero1Buckets:
                     had.add(piece.name)
                 p.grad = grad = None
             mine = torch.empty(b.numel, dtype=self.reduce_dtype, device=first.device)
-            work = _reduce_scatter_single(mine, buf.view(-1), group=b.group.group, async_op=True)
+            work = reduce_scatter_single(mine, buf.view(-1), group=b.group.group, async_op=True)
             self.counter.record("backward", "reduce_scatter", b.group.axis, buf.numel() * buf.element_size(), "zero-1")
             running.append((b, buf, mine, work, had))
             del buf
@@ -120,7 +120,7 @@ class Zero1Buckets:
                 region = mine[piece.offset : piece.offset + _numel(piece.shape)].view(piece.shape)
                 region.narrow(piece.dim, 0, rows).copy_(pieces[piece.name])
             full = torch.empty(n * b.numel, dtype=first.dtype, device=first.device)
-            work = _all_gather_single(full, mine, group=b.group.group, async_op=True)
+            work = all_gather_single(full, mine, group=b.group.group, async_op=True)
             self.counter.record("optimizer", "all_gather", b.group.axis, full.numel() * full.element_size(), "zero-1")
             running.append((b, full, work))
         while running:

@@ -48,6 +48,7 @@ class RunConfig:
     seq_len: int = 16
     dtype: str = "float64"
     lr: float = 1e-2
+    max_norm: float | None = None  # clip the gradients' global norm to this before each update
     seed: int = 0
     overrides: dict = field(default_factory=dict)
     precision: str = ""  # "" computes in `dtype`; else e.g. "bf16" (meshlib.Precision.parse)
@@ -160,7 +161,10 @@ def train_reference(run: RunConfig) -> RunResult:
         losses.append(float(loss.detach()))
         for t, g in zip(targets if mixed else list(model.parameters()), grads):
             t.grad = g
-        if scaler is None or scaler.unscale_and_check([t.grad for t in (targets if mixed else model.parameters())]):
+        stepped = targets if mixed else list(model.parameters())
+        if scaler is None or scaler.unscale_and_check([t.grad for t in stepped]):
+            if run.max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(stepped, run.max_norm)  # torch's own, on the whole model
             opt.step()
             models.update_balancing_bias(model)  # DeepSeek-V3's balancing, as the runtime moves it after an update
         opt.zero_grad()
@@ -188,7 +192,7 @@ def train_parallel(run: RunConfig, *, progress: bool = False) -> RunResult:
     with _Progress(run.steps, title, enabled=progress) as bar:
         for step in range(run.steps):
             COUNTER.reset()
-            losses.append(par.train_step(batch_of(run, step), opt))
+            losses.append(par.train_step(batch_of(run, step), opt, max_norm=run.max_norm))
             norms.append(par.last_grad_norm)
             comm = COUNTER.snapshot()
             bar.step(step, losses[-1], norms[-1])
