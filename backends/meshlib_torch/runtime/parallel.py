@@ -244,7 +244,6 @@ class Parallel(nn.Module):
             dist.all_reduce(total, group=self.pipeline.group)
         return float(total.sqrt())
 
-
     def clip_grad_norm_(self, max_norm: float, *, scale: float = 1.0) -> float:
         """Scale every gradient so that their global norm is at most `max_norm`, as
         `torch.nn.utils.clip_grad_norm_` does on one process (by max_norm / (norm + 1e-6) where that is
