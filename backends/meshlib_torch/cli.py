@@ -331,7 +331,7 @@ def run_main(args, argv: list[str] | None = None) -> None:
                 diffs = compare(ref, result, run.tolerance, check=False)
                 show(_reference_table(diffs, run))
     finally:
-        mdist.shutdown()
+        mdist.leave()  # not `shutdown` alone: a peer may still be finishing the last collective
 
 
 def _launch(args, argv: list[str]) -> int:

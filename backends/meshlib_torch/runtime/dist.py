@@ -36,7 +36,7 @@ from meshlib import Mesh
 
 from ..torch_private import default_store, flatten_mesh, forget_mesh_specs, group_options, world_timeout
 
-__all__ = ["device_type", "backend", "init", "device_mesh", "group", "shutdown", "start"]
+__all__ = ["device_type", "backend", "init", "device_mesh", "group", "leave", "shutdown", "start"]
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _MESHES: dict[tuple[Mesh, float | None], DeviceMesh] = {}
@@ -70,18 +70,19 @@ def init(*, timeout: float = 120.0) -> None:
     c10d.init_process_group(backend(), timeout=timedelta(seconds=timeout))
     # the groups meshlib made are torn down before the interpreter finalizes: left to exit-time
     # destructors, a gloo group's threads can outlive it and abort the process (SIGABRT)
-    atexit.register(_exit)
+    atexit.register(leave)
 
 
 EXIT_WAIT = 10.0  # seconds a rank leaving waits for the others to leave too (a dead rank's never come)
 
 
-def _exit() -> None:
-    """At exit: wait until every rank has reached its exit (or `EXIT_WAIT` passed), then `shutdown`. A
-    rank that tore its gloo group down while a peer was still finishing the last collective with it made
-    the peer abort (SIGABRT, "terminate called without an active exception": 2 of 10 runs of `meshlib run
-    --export` on 2 ranks, whose last call is a collective); the ranks meet in the rendezvous store instead,
-    which no collective uses."""
+def leave() -> None:
+    """Leave as a run ends (and at exit): wait until every rank has reached this point (or `EXIT_WAIT`
+    passed), then `shutdown`. A rank that tore its gloo group down while a peer was still finishing the
+    last collective with it made the peer abort (SIGABRT, "terminate called without an active exception":
+    2 of 10 runs of `meshlib run --export` on 2 ranks, whose last call is a collective; and `meshlib run`
+    on 3 ranks in CI, whose workers called `shutdown` directly); the ranks meet in the rendezvous store
+    instead, which no collective uses."""
     store = default_store() if c10d.is_initialized() else None
     if store is not None and c10d.get_world_size() > 1:
         try:
