@@ -7,7 +7,7 @@ harness).
 """
 
 import pytest
-from test_grad_buckets import _patched, _restore
+from test_grad_buckets import _patched, _restore, _train
 
 from meshlib import Mesh
 from meshlib_torch.testing.parity import RunConfig, compare, train_reference
@@ -37,16 +37,6 @@ def _one_step(run: RunConfig, first: int, cap: int):
         planned = [(c.phase, c.kind, "_".join(c.axes), c.bytes) for c in par.plan.collectives
                    if c.reason.startswith("zero-1")]  # fmt: skip
         return issued, planned, len(opt.buckets.shapes)
-    finally:
-        _restore(saved)
-
-
-def _train(run: RunConfig, first: int, cap: int):
-    from meshlib_torch.testing.parity import train_parallel
-
-    saved = _patched(first, cap)
-    try:
-        return train_parallel(run)
     finally:
         _restore(saved)
 
