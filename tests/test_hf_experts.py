@@ -83,6 +83,17 @@ def test_parity_with_the_unmodified_model(name, mesh, options):
 
 
 @pytest.mark.ranks
+def test_clipped_sgd_on_experts_under_zero1_is_torchs_clipping():
+    """DeepSeek-V3's experts on dp=2 x ep=2 under ZeRO-1, clipped to a global norm every step: the norm
+    counts each expert once (its weights split over ep, summed over dp only) and the shared weights once,
+    as `torch.nn.utils.clip_grad_norm_` on the unmodified model. SGD with momentum (scale-sensitive)."""
+    trial = Trial(MODELS["deepseek-v3"], hm.batch, mesh="dp=2,ep=2", loss="loss", lr=0.5, options={"zero": 1},
+                  optimizer=torch.optim.SGD, optimizer_options={"momentum": 0.9}, max_norm=0.05)  # fmt: skip
+    results = get_pool(4).run(hm.run_parallel_fp64, trial)
+    assert_same(hm.run_single_fp64(trial), results[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.ranks
 @pytest.mark.parametrize("name", ["qwen2-moe", "qwen3-moe", "olmoe"])
 def test_parity_of_families_with_mixtrals_expert_layout(name):
     _parity(name, "ep=2", {})

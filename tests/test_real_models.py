@@ -6,7 +6,9 @@ parent trains the unmodified model, with the same weights and batches, with
 `torch.optim.AdamW`. Each step's loss, every gradient after the first backward and
 every parameter after the last step must agree: the nanoGPT-style model in fp64 to
 1e-12; transformers' models in fp32 to rtol/atol 1e-5 (their loss function casts the
-logits to fp32 even in an fp64 model, so fp64 buys nothing there).
+logits to fp32 even in an fp64 model, so fp64 buys nothing there). Clipped (ZeRO-1 with recompute and
+sequence parallelism or a pipeline): SGD with momentum, clipped to a global norm each step, against the
+same model clipped by `torch.nn.utils.clip_grad_norm_`.
 
 Method (plans, no processes): Megatron's pattern on each model's own parameter
 names, counted in the plan: per layer 2 tensor-parallel all-reduces of b*s*h forward
@@ -97,6 +99,27 @@ def test_bf16_compute_is_the_model_run_in_bf16(name):
     for n, p in model.named_parameters():  # bf16 keeps 8 bits: sums in other orders differ by a few %
         scale = float(p.grad.float().abs().max())
         assert float((got.grads[n].float() - p.grad.float()).abs().max()) <= 0.1 * scale, n
+
+
+CLIPPED = [
+    ("dp=2,tp=2", {"sequence_parallel": True, "recompute": "block", "zero": 1}),
+    ("dp=2,pp=2", {"microbatches": 2, "recompute": "block", "zero": 1}),
+]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("mesh, options", CLIPPED, ids=[m for m, _ in CLIPPED])
+def test_clipped_sgd_under_zero1_is_torchs_clipping_on_the_unmodified_model(mesh, options):
+    """transformers' Llama under ZeRO-1 with block recompute (and sequence parallelism, or a pipeline),
+    clipped to a global norm every step (`train_step(max_norm=)`, the norm from ZeRO-1's reduce-scattered
+    pieces), against the unmodified model clipped by `torch.nn.utils.clip_grad_norm_`. SGD with momentum
+    steps in proportion to the clipped gradient (AdamW would nearly divide the scale out), so a norm off by
+    any factor moves every parameter; 0.05 is below every step's norm."""
+    build, rules, batch, loss = rm.MODELS["llama"]
+    trial = Trial(build, batch, mesh=mesh, rules=rules, loss=loss, options=options, lr=0.5,
+                  optimizer=torch.optim.SGD, optimizer_options={"momentum": 0.9}, max_norm=0.05)  # fmt: skip
+    results = get_pool(4).run(run_parallel, trial)
+    assert_same(run_single(trial), results[0], rtol=1e-5, atol=1e-5)
 
 
 # -- plans ------------------------------------------------------------------------------------

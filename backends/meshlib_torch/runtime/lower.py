@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from ..compiler.attrs import has_attr, resolve, set_attr
 from ..compiler.capture.blocks import split_graph
 from ..compiler.capture.regions import apply_regions
 from ..compiler.placement.placements import Pending
-from ..compiler.program import EagerStages, TracedStages, buffer_dtype, deferred_loss
+from ..compiler.program import EagerStages, TracedStages, buffer_dtype, deferred_loss, shard_axes, shard_ranks
 from ..torch_private import copy_codegen, own_buffers, own_parameters
 from . import dist as mdist
 from . import weights
@@ -74,11 +74,14 @@ def lower(compiled, dm, model: nn.Module, source: weights.Source) -> Lowered:
         root.add_module(spec.name, Pending(spec))
     if isinstance(compiled.program, TracedStages):
         graphs = [compiled.stages.graphs[s] for s in local]
-        modules = [_in_layers(compiled, fx.GraphModule(root, executable(g, device, plain))) for g in graphs]
+        grads = unsummed_grads(compiled)
+        modules = [_in_layers(compiled, fx.GraphModule(root, executable(g, device, plain, grads=grads)))
+                   for g in graphs]  # fmt: skip
         return Lowered(nn.ModuleList(modules), modules, local, device)  # the stages hold the parameters now
     deferred = deferred_loss(compiled)  # the runtime sums the loss itself, beside backward
     skip = {deferred[0].name} if deferred is not None else set()
-    gm = _in_layers(compiled, fx.GraphModule(root, executable(compiled.graph, device, plain, skip=skip)))
+    graph = executable(compiled.graph, device, plain, skip=skip, grads=unsummed_grads(compiled))
+    gm = _in_layers(compiled, fx.GraphModule(root, graph))
     return Lowered(gm, [gm], local, device)
 
 
@@ -208,11 +211,30 @@ def _constants(compiled, buffers: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def executable(graph: fx.Graph, device: torch.device, plain: bool = False, skip: set[str] = frozenset()) -> fx.Graph:
+def unsummed_grads(compiled) -> dict[str, list]:
+    """Per parameter whose gradient backward leaves unsummed over data axes (ZeRO-1's, which its
+    optimizer step reduce-scatters), the DTensor placements that gradient has: the parameter's, Partial
+    over those axes. So `p.grad` says what it is, and DTensor code reading it (`full_tensor`, torch's
+    `clip_grad_norm_`) sums it first instead of reading one rank's share as the whole."""
+    if compiled.options.zero != 1:
+        return {}
+    out = {}
+    for name in compiled.traced.params:
+        if shard_ranks(compiled, name) > 1:
+            partial = set(shard_axes(compiled, name))
+            layout = torch_placements(compiled.param_layouts[name])
+            out[name] = [Partial() if a in partial else p for a, p in zip(compiled.axes.names, layout)]
+    return out
+
+
+def executable(
+    graph: fx.Graph, device: torch.device, plain: bool = False, skip: set[str] = frozenset(), grads: dict | None = None
+) -> fx.Graph:
     """A copy of a compiled graph to run on `device`: tensors it makes are made there, the ops of
     grad-mode and autocast regions run under their modes (`regions.apply_regions`), with `plain`
-    parameters are read as they are (no DTensor to unwrap), and the collectives named in `skip`
-    are left to the runtime."""
+    parameters are read as they are (no DTensor to unwrap), the collectives named in `skip`
+    are left to the runtime, and the parameters in `grads` (`unsummed_grads`) read with their
+    gradients' placements."""
     new = fx.Graph()
     new.output(new.graph_copy(graph, {}))
     copy_codegen(graph, new)
@@ -224,6 +246,9 @@ def executable(graph: fx.Graph, device: torch.device, plain: bool = False, skip:
         ):
             node.replace_all_uses_with(node.args[0])
             new.erase_node(node)
+        elif node.op == "call_method" and node.target == "to_local" and node.args[0].op == "get_attr":
+            if node.args[0].target in (grads or {}):
+                node.kwargs = {**node.kwargs, "grad_placements": grads[node.args[0].target]}
     apply_regions(new)
     return new
 

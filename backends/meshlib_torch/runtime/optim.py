@@ -83,6 +83,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         super().__init__(targets, dict(self.inner.defaults))
         self.param_groups, self.state = self.inner.param_groups, self.inner.state  # one set: schedulers see it
         self.scaler: LossScaler | None = None
+        self._ready: dict[str, torch.Tensor] | None = None  # `reduce_gradients`', until the step applies them
 
     def _spread(self, name: str) -> bool:
         """Whether ZeRO-1 spreads this parameter's state over more than one rank."""
@@ -123,22 +124,30 @@ class MeshOptimizer(torch.optim.Optimizer):
 
     # -- the step -------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._ready = None
         for p in self.params.values():
             p.grad = None
         for m in self.master.values():
             m.grad = None
 
     @torch.no_grad()
-    def step(self, closure=None) -> bool:
-        """One update; False when fp16 loss scaling found an overflow and skipped it."""
-        if closure is not None:
-            raise TypeError("MeshOptimizer.step takes no closure: the model's step runs the forward and backward")
+    def reduce_gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients this step's update applies, by parameter name, each summed over the data axes:
+        under ZeRO-1 this rank's reduce-scattered piece (the parameter's own gradient freed) or the
+        all-reduced whole, else the master's or the parameter's gradient. `step` calls it; call it before
+        (`Parallel.clip_grad_norm_` does) to read or scale them: the step then applies them as they are."""
+        if self._ready is not None:
+            return self._ready
         summed = self._reduce_scatter()
+        ready = {}
         for name, p in self.params.items():
             m = self.master.get(name)
             if name in summed:
                 m.grad = _as_like(m, summed[name].to(m.dtype))
-            elif p.grad is None or m is None:
+            elif p.grad is None:
+                continue
+            elif m is None:
+                ready[name] = p.grad
                 continue
             elif self.zero == 1 and self._spread(name):  # kept whole (see `zero1_shard_dim`): sum it
                 g, group = local_tensor(p.grad).to(self.reduce_dtype or m.dtype).contiguous(), self.groups[name]
@@ -147,7 +156,17 @@ class MeshOptimizer(torch.optim.Optimizer):
                 m.grad = _as_like(m, g.to(m.dtype))
             else:
                 m.grad = _as_like(m, local_tensor(p.grad).to(m.dtype))
-        del summed
+            ready[name] = m.grad
+        self._ready = ready
+        return ready
+
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """One update; False when fp16 loss scaling found an overflow and skipped it."""
+        if closure is not None:
+            raise TypeError("MeshOptimizer.step takes no closure: the model's step runs the forward and backward")
+        self.reduce_gradients()
+        self._ready = None
         grads = [t.grad for g in self.inner.param_groups for t in g["params"] if t.grad is not None]
         if self.scaler is not None and not self.scaler.unscale_and_check(grads):
             return False

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..compiler.capture.call import batch_call
 from ..compiler.placement import placements as pl
@@ -157,9 +158,9 @@ class Parallel(nn.Module):
         else:
             loss = self._accumulate(local, opt)
         if max_norm is not None:
-            self.last_grad_norm = self.clip_grad_norm_(max_norm, scale=opt.scaler.scale if opt.scaler else 1.0)
+            self.last_grad_norm = self.clip_grad_norm_(max_norm, scale=opt.scaler.scale if opt.scaler else 1.0, opt=opt)
         elif self.track_grad_norm:
-            self.last_grad_norm = self.grad_norm() / (opt.scaler.scale if opt.scaler else 1.0)
+            self.last_grad_norm = self.grad_norm(opt) / (opt.scaler.scale if opt.scaler else 1.0)
         opt.step()
         opt.zero_grad()
         if self.routing is not None:  # router statistics, and DeepSeek-V3's balancing bias from them
@@ -223,44 +224,61 @@ class Parallel(nn.Module):
             out[name] = made.get(axes)
         return out
 
-    def grad_norm(self) -> float:
-        """The global gradient norm: over data and tensor axes by DTensor, over stages by an all-reduce
-        (a parameter two stages share counts once). ZeRO-1's gradients are summed over the data axes
-        only in its step, so they are summed here first."""
+    def grad_norm(self, opt: MeshOptimizer | None = None) -> float:
+        """The global gradient norm, of the whole model's gradients summed over every data axis: the
+        gradients `opt` will apply (`MeshOptimizer.reduce_gradients`: under ZeRO-1 its reduce-scattered
+        pieces, which this sums first), or without `opt` each parameter's `.grad` (ZeRO-1's are Partial over
+        the data axes, and are all-reduced here one by one). Each rank adds the squares of the values it
+        holds, each value counted once over the ranks that hold copies of it, and one all-reduce of that
+        scalar sums them over the mesh; a parameter two pipeline stages share counts on its owner's."""
         params = self.named_model_parameters()
-        groups = self.data_groups(params) if self.zero == 1 else {}
+        grads = opt.reduce_gradients() if opt is not None else {n: p.grad for n, p in params.items()}
+        holders = dist.get_world_size() // (self.compiled.mesh.axis_size(self.compiled.pp_axis) if self.pipeline else 1)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in params.items():
-            if p.grad is None or (self.pipeline is not None and not self.pipeline.owns(name)):
+        for name, g in grads.items():
+            if g is None or (self.pipeline is not None and not self.pipeline.owns(name)):
                 continue
-            g = p.grad.to(torch.float64)
-            if groups.get(name) is not None:
-                local = local_tensor(g).clone()
-                dist.all_reduce(local, group=groups[name].group)
-                g = type(g).from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
-            norm = torch.linalg.vector_norm(g)
-            total += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
-        if self.pipeline is not None:
-            dist.all_reduce(total, group=self.pipeline.group)
+            local, pieces = held_values(g)
+            total += torch.linalg.vector_norm(local, dtype=_norm_dtype(local)).double() ** 2 * pieces / holders
+        dist.all_reduce(total)
         return float(total.sqrt())
 
-    def clip_grad_norm_(self, max_norm: float, *, scale: float = 1.0) -> float:
+    def clip_grad_norm_(self, max_norm: float, *, scale: float = 1.0, opt: MeshOptimizer | None = None) -> float:
         """Scale every gradient so that their global norm is at most `max_norm`, as
         `torch.nn.utils.clip_grad_norm_` does on one process (by max_norm / (norm + 1e-6) where that is
         below 1); returns the norm before clipping. Call it between backward and `opt.step()`, on every
-        rank. The norm is `grad_norm`'s, over every axis and stage, so it is right on every layout:
-        torch's own function would read a pipeline stage's norm for the whole model's, and under ZeRO-1
-        each rank's gradient before the step is its own, not yet summed over the data axes. `scale`: the
-        loss scale the gradients carry (fp16): the norm is of the unscaled ones. A norm that is not
-        finite clips nothing (fp16's loss scaling then skips the step)."""
+        rank. The norm is `grad_norm`'s, over every axis and stage, so it is right on every layout
+        (torch's own function reads one pipeline stage's norm as the whole model's). With `opt` (as
+        `train_step(max_norm=)` passes it) it reads and scales what `opt` will apply: under ZeRO-1 the
+        reduce-scattered pieces, as Megatron's distributed optimizer clips, so the norm costs one scalar
+        all-reduce. `scale`: the loss scale the gradients carry (fp16): the norm is of the unscaled ones. A
+        norm that is not finite clips nothing (fp16's loss scaling then skips the step)."""
         check_max_norm(max_norm)
-        norm = self.grad_norm() / scale
+        norm = self.grad_norm(opt) / scale
         coef = max_norm / (norm + 1e-6)
         if math.isfinite(norm) and coef < 1.0:
-            for p in self.named_model_parameters().values():
-                if p.grad is not None:
-                    local_tensor(p.grad).mul_(coef)  # under ZeRO-1 a sum of scaled gradients is the scaled sum
+            grads = opt.reduce_gradients() if opt is not None else self.named_model_parameters()
+            for g in grads.values():
+                g = g if opt is not None else g.grad
+                if g is not None:
+                    local_tensor(g).mul_(coef)  # a sum of scaled (Partial) gradients is the scaled sum
         return norm
+
+
+def held_values(g: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The values of gradient `g` this rank holds, and into how many distinct pieces its mesh cuts the
+    whole (1: a plain tensor, whole on every rank). A Partial gradient is summed first (an all-reduce)."""
+    if not isinstance(g, DTensor):
+        return g, 1
+    if any(p.is_partial() for p in g.placements):
+        g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+    pieces = math.prod(n for n, p in zip(g.device_mesh.shape, g.placements) if not p.is_replicate())  # strided too
+    return local_tensor(g), pieces
+
+
+def _norm_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """Accumulate a half-precision gradient's norm in fp32 (torch's own norm keeps fp32 and fp64)."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
 
 
 def check_max_norm(max_norm: float | None) -> None:

@@ -17,12 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from meshlib import Mesh, P, pattern_rules
 
 from ..compiler.capture.call import batch_call, pick_loss
-from ..torch_private import local_tensor
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.1
 
@@ -42,6 +40,7 @@ class Trial:
     scheduler: Callable | None = None  # module-level: optimizer -> a torch LR scheduler, stepped after each step
     after_step: Callable | None = None  # module-level: model -> None, run by the reference after each update
     buffers: tuple[str, ...] = ()  # buffers (by name ending) compared too: e.g. balancing biases
+    max_norm: float | None = None  # clip the gradients to this global norm before each update (torch's own, here)
 
     def make_optimizer(self, build):
         options = self.optimizer_options
@@ -74,6 +73,8 @@ def run_single(trial: Trial) -> Trace:
         losses.append(float(loss.detach()))
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+        if trial.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params.values(), trial.max_norm)
         opt.step()
         opt.zero_grad()
         if trial.after_step is not None:
@@ -85,8 +86,8 @@ def run_single(trial: Trial) -> Trace:
 
 
 class _Recording:
-    """An optimizer that notes the whole gradients the first time it steps (a pipeline steps inside
-    `train_step`, after its gradients are summed)."""
+    """An optimizer that notes the whole gradients the first time it steps, or before that reduces
+    them for clipping (a pipeline steps inside `train_step`, after its gradients are summed)."""
 
     def __init__(self, opt, params, whole):
         self.opt, self.params, self.whole, self.grads = opt, params, whole, None
@@ -94,20 +95,18 @@ class _Recording:
     def __getattr__(self, name):
         return getattr(self.opt, name)
 
-    def step(self):
+    def _note(self) -> None:
         if self.grads is None:
             held = {n: p.grad for n, p in self.params().items() if p.grad is not None}
-            self.grads = {n: _whole(self.whole, n, self._summed(n, g)) for n, g in held.items()}
-        return self.opt.step()
+            self.grads = {n: _whole(self.whole, n, g) for n, g in held.items()}  # ZeRO-1's: Partial, summed
 
-    def _summed(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """ZeRO-1 sums the gradients over their data axes inside its step: sum a copy here."""
-        group = self.opt.groups.get(name)
-        if self.opt.zero != 1 or group is None:
-            return grad
-        local = local_tensor(grad).clone()
-        torch.distributed.all_reduce(local, group=group.group)
-        return DTensor.from_local(local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride())
+    def reduce_gradients(self):
+        self._note()
+        return self.opt.reduce_gradients()
+
+    def step(self):
+        self._note()
+        return self.opt.step()
 
 
 def parallelize_trial(trial: Trial):
@@ -131,7 +130,7 @@ def run_parallel(trial: Trial) -> Trace:
     losses, comm = [], None
     for step in range(trial.steps):
         COUNTER.reset()
-        losses.append(float(par.train_step(trial.batch(step), opt)))
+        losses.append(float(par.train_step(trial.batch(step), opt, max_norm=trial.max_norm)))
         comm = COUNTER.snapshot()
         if sched is not None:
             sched.step()
