@@ -3,7 +3,7 @@
     python benchmarks/bench_zero.py                 # everything, about 2 min on 2 cores
     python benchmarks/bench_zero.py --quick         # fewer rounds, no dp=2 race: a smoke test
 
-Prints six markdown tables:
+Prints seven markdown tables:
 
 (a) data-parallel bytes per rank per step for zero 0/1/2/3 on `Mesh(dp=4)`
     (`llama-small`, fp32), counted at meshlib's collective layer (`COUNTER`) on
@@ -25,6 +25,9 @@ Prints six markdown tables:
     buckets), with meshlib summing each gradient alone beside them.
 (f) the same for ZeRO-1 (its reduce-scatters and all-gathers in buckets)
     against DDP, with meshlib moving each parameter alone beside them.
+(g) ZeRO-1 clipped to a global norm: the norm from the reduce-scattered
+    pieces (one scalar all-reduce) and from the gradients each all-reduced,
+    against no clipping, one model stepped the three ways, alternated.
 
 The rank-side jobs are in `benchmarks/zero_worker.py` (a RankPool pickles
 them by qualified name, so they cannot live in this script).
@@ -206,6 +209,24 @@ def table_race(model: str, dps: tuple[int, ...], batch: int, seq: int, rounds: i
     return markdown(header, rows)
 
 
+def table_clipping(model: str, dps: tuple[int, ...], batch: int, seq: int, rounds: int, steps: int) -> str:
+    rows = []
+    for dp in dps:
+        pool = get_pool(dp)
+        before = busy_ticks(), ticks_of(pool.pids)
+        r = pool.run(zero_worker.clipping, model, dp, batch, seq, rounds, steps, timeout=1200)[0]
+        busy, mine = busy_ticks() - before[0], ticks_of(pool.pids) - before[1]
+        med = {k: statistics.median(v) for k, v in r["times"].items()}
+        others = max(0, busy - mine) / max(busy, 1)
+        rows.append((
+            f"dp={dp}", *(f"{med[k] * 1e3:.1f}" for k in ("none", "pieces", "each")),
+            f"**{med['pieces'] / med['none']:.2f}**", f"{med['each'] / med['none']:.2f}", rounds, f"{others:.0%}",
+        ))  # fmt: skip
+    header = ("mesh", "no clipping ms", "clipped, norm from the pieces ms", "clipped, each gradient all-reduced ms",
+              "pieces / none (medians)", "each / none", "rounds", "CPU taken by other processes")  # fmt: skip
+    return markdown(header, rows)
+
+
 # -- the run ---------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -241,6 +262,8 @@ def main() -> None:
     print(table_race("llama-small", dps, 8, 128, args.rounds, args.steps, zero=0) + "\n")
     print(f"(f) step time, ZeRO-1 against DDP, llama-small fp32, batch 8 x 128; {per_round}\n")
     print(table_race("llama-small", dps, 8, 128, args.rounds, args.steps, zero=1) + "\n")
+    print(f"(g) step time of ZeRO-1 clipped to a global norm, llama-small fp32, batch 8 x 128; {per_round}\n")
+    print(table_clipping("llama-small", dps, 8, 128, args.rounds, args.steps) + "\n")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"total {time.perf_counter() - start:.0f} s; load average at the end (1, 5, 15 min): {load}")
 

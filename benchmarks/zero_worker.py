@@ -162,3 +162,34 @@ def race(model: str, dp: int, batch: int, seq: int, rounds: int, steps: int, lr:
         for name, fn in order[r % len(order) :] + order[: r % len(order)]:
             times[name].append(_timed(fn, steps, range(len(batches))))
     return {"losses": losses, "times": times, "layers": cfg.n_layers, "dim": cfg.dim}
+
+
+# -- (g) clipping under ZeRO-1 ---------------------------------------------------------------------
+def clipping(model: str, dp: int, batch: int, seq: int, rounds: int, steps: int) -> dict:
+    """One ZeRO-1 model and optimizer, stepped three ways, alternated: no clipping; clipped with the norm
+    taken from the optimizer's reduce-scattered pieces (`clip_grad_norm_(..., opt=)`, as `train_step`
+    clips: one scalar all-reduce); clipped with the norm of the parameters' own gradients, which are
+    Partial over dp, so each is all-reduced first (the cost before the pieces were used)."""
+    torch.use_deterministic_algorithms(False)
+    par = _build(model, f"dp={dp}", batch, seq, zero=1)[0]
+    opt = par.optimizer(lr=1e-3)
+    batches = [data.batch(i, batch_size=batch, seq_len=seq) for i in range(4)]
+
+    def step(b, how):
+        par(*batches[b]).backward()
+        if how == "pieces":
+            par.clip_grad_norm_(1e-3, opt=opt)
+        elif how == "each":
+            par.clip_grad_norm_(1e-3)
+        opt.step()
+        opt.zero_grad()
+
+    sides = {how: (lambda b, how=how: step(b, how)) for how in ("none", "pieces", "each")}
+    for fn in sides.values():
+        fn(0)  # warm-up; the optimizer state
+    times = {k: [] for k in sides}
+    order = list(sides.items())
+    for r in range(rounds):
+        for name, fn in order[r % len(order) :] + order[: r % len(order)]:
+            times[name].append(_timed(fn, steps, range(len(batches))))
+    return {"times": times}
