@@ -104,7 +104,7 @@ class Buckets:
         self.handles += [p.register_hook(lambda g, p=p: self._arriving(p)) for p in self.params]
         self._summed: set[int] = set()  # parameters whose gradient holds a sum, until it is cleared
         self._next = 0  # the next bucket to start
-        self._running: deque = deque()  # (parameters, gradients, their pieces of the buffer, work), oldest first
+        self._running = InFlight(self._land)  # (parameters, gradients, their pieces of the buffer, work)
         self._waiting = False  # the end-of-backward callback is queued
 
     def reduce(self, buf: torch.Tensor, bucket: _Bucket):
@@ -149,26 +149,23 @@ class Buckets:
         and make ready for the next backward."""
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
-        while self._running:
-            self._wait_oldest()
+        self._running.drain()
         self._next, self._waiting = 0, False
         for b in self.buckets:
             b.ready = 0
 
     def _start(self, bucket: _Bucket) -> None:
-        while len(self._running) >= self.INFLIGHT:
-            self._wait_oldest()
+        self._running.make_room()
         grads = [None if p.grad is None else local_tensor(p.grad) for p in bucket.params]
         sizes = [local_tensor(p).numel() for p in bucket.params]
         buf = torch.empty(sum(sizes), dtype=self.reduce_dtype, device=local_tensor(bucket.params[0]).device)
         pieces = buf.split(sizes)
         for g, piece in zip(grads, pieces):
             piece.copy_(g.reshape(-1)) if g is not None else piece.zero_()
-        self._running.append((bucket.params, grads, pieces, self.reduce(buf, bucket)))
+        self._running.add(bucket.params, grads, pieces, self.reduce(buf, bucket))
         self._next += 1
 
-    def _wait_oldest(self) -> None:
-        params, grads, pieces, work = self._running.popleft()
+    def _land(self, params, grads, pieces, work) -> None:
         work.wait()
         for p, g, piece in zip(params, grads, pieces):
             if g is not None:
@@ -180,4 +177,24 @@ class Buckets:
             h.remove()
 
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Buckets", "grad_buckets", "most_held"]
+class InFlight:
+    """Collectives started and not yet waited for, oldest first, at most `Buckets.INFLIGHT`: `make_room`
+    lands the oldest until one more may start, `drain` lands them all; `land(*entry)` waits for one and
+    puts its result where it goes."""
+
+    def __init__(self, land):
+        self.land, self.running = land, deque()
+
+    def make_room(self) -> None:
+        while len(self.running) >= Buckets.INFLIGHT:
+            self.land(*self.running.popleft())
+
+    def add(self, *entry) -> None:
+        self.running.append(entry)
+
+    def drain(self) -> None:
+        while self.running:
+            self.land(*self.running.popleft())
+
+
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Buckets", "InFlight", "grad_buckets", "most_held"]

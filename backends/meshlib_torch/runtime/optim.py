@@ -4,7 +4,7 @@
   fp16; with `zero=1` each data-parallel rank keeps only its shard of the
   masters and moments: the gradients are reduce-scattered into them and the
   updated shards all-gathered back into the parameters, many in one collective
-  (`zero1.Zero1Buckets`, in DDP's buckets). A tensor no dim of
+  (`zero1.Zero1Sync`, in DDP's buckets). A tensor no dim of
   which divides by the data-parallel size is split in torch.chunk's sizes
   (as DTensor and FSDP2 do), its collectives padded to equal pieces. Masters are DTensors
   (the shard is a strided split of the parameter's own layout), so
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,10 +24,11 @@ from torch.distributed.tensor import DTensor
 
 from ..compiler.placement import placements as pl
 from ..compiler.placement.shapes import ragged_dims
+from ..compiler.zero1_buckets import DataGroup
 from ..torch_private import local_tensor
 from .comm import COUNTER, CommCounter
 from .dtensor import torch_placements
-from .zero1 import Zero1Buckets
+from .zero1 import Zero1Sync
 
 
 class MeshOptimizer(torch.optim.Optimizer):
@@ -90,7 +90,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         g = self.groups[name]
         return g is not None and g.size > 1
 
-    def _buckets(self, order) -> Zero1Buckets | None:
+    def _buckets(self, order) -> Zero1Sync | None:
         """The buckets ZeRO-1 moves the split parameters in, those in registration order (`order`: the
         traced model's, as the plan lists them; names not in it after)."""
         first = {n: i for i, n in enumerate(order)}
@@ -99,7 +99,7 @@ class MeshOptimizer(torch.optim.Optimizer):
             return None
         shapes = {n: tuple(local_tensor(self.params[n]).shape) for n in split}
         reduce = self.reduce_dtype or _master_dtype(local_tensor(self.params[split[0]]))
-        return Zero1Buckets(shapes, {n: self.shard_dim[n] for n in split}, self.groups, reduce, self.counter)
+        return Zero1Sync(shapes, {n: self.shard_dim[n] for n in split}, self.groups, reduce, self.counter)
 
     # -- masters ---------------------------------------------------------------------------------
     def _sharded_master(
@@ -182,7 +182,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         return True
 
     def _reduce_scatter(self) -> dict[str, torch.Tensor]:
-        """This rank's piece of each split parameter's summed gradient (`Zero1Buckets`, which frees the
+        """This rank's piece of each split parameter's summed gradient (`Zero1Sync`, which frees the
         parameter's own gradient once its bucket holds it): where backward made none, none; the pieces'
         padding moves too and is counted."""
         if self.buckets is None:
@@ -285,21 +285,6 @@ def _master_layout(layout, mesh_axes, data: tuple[str, ...], local_dim: int) -> 
         )
         out[i] = pl.Shard(local_dim, groups)
     return tuple(out)
-
-
-class DataGroup(NamedTuple):
-    """The data-parallel ranks ZeRO-1 spreads one parameter's state over: their process group, the names
-    of their mesh axes, this rank's index among them and their number."""
-
-    group: object
-    axes: tuple[str, ...]
-    index: int
-    size: int
-
-    @property
-    def axis(self) -> str:
-        """The axes as one name, as the counter and the plan write them (`dp_ep`)."""
-        return "_".join(self.axes)
 
 
 class LossScaler:

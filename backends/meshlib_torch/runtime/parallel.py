@@ -23,11 +23,12 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..compiler.capture.call import batch_call
 from ..compiler.placement import placements as pl
 from ..compiler.program import shard_axes
+from ..compiler.zero1_buckets import DataGroup
 from ..torch_private import local_tensor
 from . import dist as mdist
 from .comm import local_slice
 from .dtensor import gather_whole
-from .optim import DataGroup, LossScaler, MeshOptimizer
+from .optim import LossScaler, MeshOptimizer
 from .parallelisms.zero import set_sync
 
 

@@ -1,168 +1,31 @@
-"""ZeRO-1's collectives in buckets: one reduce-scatter of many gradients, one all-gather of many updated
-pieces, as Megatron's distributed optimizer and FSDP2's flat buffers move them.
-
-Each parameter ZeRO-1 splits is cut along one dim of its local tensor (`placements.zero1_shard_dim`) into
-the data ranks' pieces, torch.chunk's sizes padded to equal ones. A bucket lays out rank r's pieces of
-all its parameters side by side, then rank r+1's: one reduce-scatter of that buffer leaves each rank its
-own pieces, summed, and one all-gather of each rank's pieces, side by side, rebuilds every parameter.
-The buckets are `compiler.buckets.grad_buckets`'s, on the padded bytes each gradient moves, so the plan
-(`estimates.records.dp_collectives`, `estimates.stepmem`) lists and holds what this issues; at most
-`Buckets.INFLIGHT` are in flight at once.
-"""
+"""ZeRO-1's buckets on the ranks: `compiler.zero1_buckets.Zero1Buckets` with gloo's or NCCL's
+reduce-scatter and all-gather (torch's public `_single` collectives, asynchronous), each counted as the
+plan lists it (`estimates.records.dp_collectives`: one of each per bucket, reason "zero-1")."""
 
 from __future__ import annotations
 
-from collections import deque
-from typing import NamedTuple
-
 import torch
 
-from ..compiler.buckets import Buckets, grad_buckets
-from ..compiler.placement.placements import chunk_rows
-from ..torch_private import local_tensor
+from ..compiler.zero1_buckets import Zero1Bucket, Zero1Buckets
 from .comm import CommCounter, all_gather_single, reduce_scatter_single
 
 
-class _Piece(NamedTuple):
-    """One parameter in a bucket: where its pieces sit in a rank's part of the buffer, and how they cut it."""
+class Zero1Sync(Zero1Buckets):
+    """`Zero1Buckets` whose collectives run over each bucket's process group, counted by `counter`."""
 
-    name: str
-    offset: int
-    dim: int
-    step: int  # rows per piece (the last ones padded)
-    shape: tuple[int, ...]  # a piece's shape
+    def __init__(self, shapes, dims, groups, reduce_dtype: torch.dtype, counter: CommCounter):
+        super().__init__(shapes, dims, groups, reduce_dtype)
+        self.counter = counter
 
+    def scatter(self, mine: torch.Tensor, buf: torch.Tensor, bucket: Zero1Bucket):
+        work = reduce_scatter_single(mine, buf, group=bucket.group.group, async_op=True)
+        self.counter.record("backward", "reduce_scatter", bucket.group.axis, buf.numel() * buf.element_size(), "zero-1")
+        return work
 
-class _Bucket(NamedTuple):
-    group: object  # `optim.DataGroup`
-    pieces: list[_Piece]
-    numel: int  # of one rank's part
-
-
-def zero1_entries(shapes: dict[str, tuple[int, ...]], dims: dict[str, int], groups, itemsize: int):
-    """`(name, axes, bytes)` per parameter for `grad_buckets`: the padded gradient a reduce-scatter moves."""
-    out = []
-    for name, shape in shapes.items():
-        d, n = dims[name], groups[name].size
-        rows = -(-shape[d] // n) * n
-        out.append((name, groups[name].axes, rows * (int(torch.Size(shape).numel()) // max(1, shape[d])) * itemsize))
-    return out
+    def gather(self, full: torch.Tensor, mine: torch.Tensor, bucket: Zero1Bucket):
+        work = all_gather_single(full, mine, group=bucket.group.group, async_op=True)
+        self.counter.record("optimizer", "all_gather", bucket.group.axis, full.numel() * full.element_size(), "zero-1")
+        return work
 
 
-class Zero1Buckets:
-    """Reduce-scatter the gradients and all-gather the updated pieces of the parameters ZeRO-1 splits
-    (`shapes`: each one's local shape, `dims`: the dim it is cut along, `groups`: its `DataGroup`), in
-    buckets, gradients summed in `reduce_dtype`."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]], dims: dict[str, int], groups, reduce_dtype: torch.dtype,
-                 counter: CommCounter):  # fmt: skip
-        self.reduce_dtype, self.counter, self.shapes = reduce_dtype, counter, shapes
-        self.buckets: list[_Bucket] = []
-        for _, names, _ in grad_buckets(zero1_entries(shapes, dims, groups, reduce_dtype.itemsize)):
-            pieces, offset, n = [], 0, groups[names[0]].size
-            for name in names:
-                shape, d = list(shapes[name]), dims[name]
-                shape[d] = -(-shape[d] // n)
-                pieces.append(_Piece(name, offset, d, shape[d], tuple(shape)))
-                offset += int(torch.Size(shape).numel())
-            self.buckets.append(_Bucket(groups[names[0]], pieces, offset))
-
-    def reduce_scatter(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's piece of each parameter's summed gradient (`params`: name to parameter), in
-        `reduce_dtype`: views into each bucket's output. A parameter's gradient is freed (`.grad = None`)
-        once its bucket holds it, as FSDP2 frees an unsharded gradient once reduce-scattered; where backward
-        made none, zeros are summed and no piece is returned."""
-        out: dict[str, torch.Tensor] = {}
-        running: deque = deque()
-        for b in self.buckets:
-            while len(running) >= Buckets.INFLIGHT:
-                self._took(*running.popleft(), out)
-            n, first = b.group.size, local_tensor(params[b.pieces[0].name])
-            buf = torch.empty(n, b.numel, dtype=self.reduce_dtype, device=first.device)
-            had = set()
-            for piece in b.pieces:
-                region = buf[:, piece.offset : piece.offset + _numel(piece.shape)].view(n, *piece.shape)
-                p = params[piece.name]
-                grad = None if p.grad is None else local_tensor(p.grad)
-                _scatter_rows(region, grad, piece, self.shapes[piece.name][piece.dim])
-                if grad is not None:
-                    had.add(piece.name)
-                p.grad = grad = None
-            mine = torch.empty(b.numel, dtype=self.reduce_dtype, device=first.device)
-            work = reduce_scatter_single(mine, buf.view(-1), group=b.group.group, async_op=True)
-            self.counter.record("backward", "reduce_scatter", b.group.axis, buf.numel() * buf.element_size(), "zero-1")
-            running.append((b, buf, mine, work, had))
-            del buf
-        while running:
-            self._took(*running.popleft(), out)
-        return out
-
-    def _took(self, b: _Bucket, buf: torch.Tensor, mine: torch.Tensor, work, had: set, out) -> None:
-        work.wait()
-        for piece in b.pieces:
-            if piece.name not in had:
-                continue
-            _, rows = chunk_rows(self.shapes[piece.name][piece.dim], b.group.size, b.group.index)
-            view = mine[piece.offset : piece.offset + _numel(piece.shape)].view(piece.shape)
-            out[piece.name] = view.narrow(piece.dim, 0, rows)
-
-    def all_gather(self, pieces: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
-        """Rebuild each parameter (`targets`: its local tensor, written in place) from every rank's updated
-        piece (`pieces`: this rank's, any dtype)."""
-        running: deque = deque()
-        for b in self.buckets:
-            while len(running) >= Buckets.INFLIGHT:
-                self._gathered(*running.popleft(), targets)
-            n, first = b.group.size, targets[b.pieces[0].name]
-            mine = torch.zeros(b.numel, dtype=first.dtype, device=first.device)
-            for piece in b.pieces:
-                _, rows = chunk_rows(self.shapes[piece.name][piece.dim], n, b.group.index)
-                region = mine[piece.offset : piece.offset + _numel(piece.shape)].view(piece.shape)
-                region.narrow(piece.dim, 0, rows).copy_(pieces[piece.name])
-            full = torch.empty(n * b.numel, dtype=first.dtype, device=first.device)
-            work = all_gather_single(full, mine, group=b.group.group, async_op=True)
-            self.counter.record("optimizer", "all_gather", b.group.axis, full.numel() * full.element_size(), "zero-1")
-            running.append((b, full, work))
-        while running:
-            self._gathered(*running.popleft(), targets)
-
-    def _gathered(self, b: _Bucket, full: torch.Tensor, work, targets) -> None:
-        work.wait()
-        n = b.group.size
-        parts = full.view(n, b.numel)
-        for piece in b.pieces:
-            region = parts[:, piece.offset : piece.offset + _numel(piece.shape)].view(n, *piece.shape)
-            _gather_rows(targets[piece.name], region, piece, n)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return int(torch.Size(shape).numel())
-
-
-def _scatter_rows(region: torch.Tensor, g: torch.Tensor | None, piece: _Piece, size: int) -> None:
-    """Copy `g`'s rows into `region` (n, *piece), rank r's piece at [r], padding zeroed."""
-    n = region.shape[0]
-    if g is None:
-        region.zero_()
-        return
-    if size == piece.step * n:  # even: one copy of a view
-        region.copy_(g.unflatten(piece.dim, (n, piece.step)).movedim(piece.dim, 0))
-        return
-    for r in range(n):
-        start, rows = chunk_rows(size, n, r)
-        region[r].narrow(piece.dim, 0, rows).copy_(g.narrow(piece.dim, start, rows))
-        region[r].narrow(piece.dim, rows, piece.step - rows).zero_()
-
-
-def _gather_rows(target: torch.Tensor, region: torch.Tensor, piece: _Piece, n: int) -> None:
-    """Copy every rank's piece (`region`, (n, *piece)) back into its rows of `target`."""
-    size = target.shape[piece.dim]
-    if size == piece.step * n:
-        target.unflatten(piece.dim, (n, piece.step)).movedim(piece.dim, 0).copy_(region)
-        return
-    for r in range(n):
-        start, rows = chunk_rows(size, n, r)
-        target.narrow(piece.dim, start, rows).copy_(region[r].narrow(piece.dim, 0, rows))
-
-
-__all__ = ["Zero1Buckets", "zero1_entries"]
+__all__ = ["Zero1Sync"]

@@ -181,7 +181,7 @@ def dp_collectives(
             if group > 1 and in_buckets:
                 bucketed.append((name, over, nbytes))  # summed with others in DDP's buckets (`GradSync`)
             elif group > 1 and zero == 1 and kind == "reduce_scatter":
-                pieces.append((name, over, nbytes))  # ZeRO-1's buckets (`runtime.zero1`): padded, as they move
+                pieces.append((name, over, nbytes))  # ZeRO-1's buckets (`zero1_buckets`): padded, as they move
             elif group > 1 and not (zero == 1 and kind == "all_gather"):
                 gather = kind == "all_gather" and phase != "optimizer"
                 op, count = (PARAM_GATHER if gather else GRAD_SYNC), count * (gathers if gather else 1)

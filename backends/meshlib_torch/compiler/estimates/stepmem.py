@@ -2,7 +2,7 @@
 
 `MeshOptimizer` (runtime/optim.py) first gives each master its gradient: under mixed precision a
 full-precision copy of the parameter's gradient (ZeRO-1: this rank's piece, reduce-scattered in
-buckets, `runtime.zero1`), all kept until the update ends; then the inner optimizer (AdamW, one
+buckets, `zero1_buckets`), all kept until the update ends; then the inner optimizer (AdamW, one
 tensor at a time) updates each master with temporaries of its size; ZeRO-1 then all-gathers the
 updated pieces in the same buckets. Under ZeRO-2/3 FSDP2's shards are the masters and their
 gradients are already full precision. The update's temporaries are measured by running torch's own
@@ -20,8 +20,10 @@ import torch
 from meshlib import Compute
 
 from ...memtrack import PeakTracker
-from ..buckets import Buckets, grad_buckets, most_held
+from ..placement.placements import zero1_shard_dim
+from ..placement.shapes import ragged_dims
 from ..program import Compiled, shard_axes, shard_ranks, zero1_pieces
+from ..zero1_buckets import DataGroup, Zero1Buckets
 from .opcount import OpCounter
 
 
@@ -37,47 +39,77 @@ def step_extra(compiled: Compiled, names=None) -> int:
 
 
 def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> tuple[int, int, int]:
-    """ZeRO-1's buckets (`runtime.zero1.Zero1Buckets`), at most `Buckets.INFLIGHT` in flight: the most bytes
-    held, beside the gradients not yet freed, while the gradients are reduce-scattered (each bucket's
-    input, its output, which holds the masters' gradients, and while it is waited for the copy of its input
-    gloo sums; a parameter's own gradient is freed once its bucket holds it; where the gradients sum in
-    another dtype than the masters', the outputs are held until the masters' gradients, `copies`, are
-    made from them); the most above the masters' gradients while the updated pieces are all-gathered
-    (each bucket's pieces and their gathered whole); and the bytes of the gradients freed. (NCCL
-    reduce-scatters without gloo's copy: there the plan is one bucket's input high.)"""
+    """ZeRO-1's buckets, run as the step runs them (`zero1_buckets.Zero1Buckets`, on meta tensors of rank
+    0's shapes, whose pieces are the largest): the most bytes held above the model state while the
+    gradients are reduce-scattered (each bucket's input until it lands, its output, and while it is waited
+    for the copy of its input gloo sums, `_GlooSum`; each gradient freed once its bucket holds it; where
+    the gradients sum in another dtype than the masters', the outputs are held until the masters'
+    gradients, `copies`, are made from them); the most above the masters' gradients while the updated
+    pieces are all-gathered; and the bytes of the gradients freed. (NCCL reduce-scatters without gloo's
+    copy: there the plan is one bucket's input high.)"""
     opts = compiled.options
-    reduce, param = (getattr(torch, d).itemsize for d in (opts.precision.reduce, opts.precision.param))
+    reduce, param = (getattr(torch, d) for d in (opts.precision.reduce, opts.precision.param))
     pieces = zero1_pieces(compiled)
-    entries = [
-        (n, shard_axes(compiled, n), pieces[n] * shard_ranks(compiled, n) * reduce)
-        for n in compiled.traced.params
-        if pieces.get(n) is not None and shard_ranks(compiled, n) > 1 and (names is None or n in names)
-    ]  # fmt: skip
-    grads = {n: math.prod(compiled.local_param_shape(n)) * param for n, _, _ in entries}  # in the compute dtype
-    buckets = [(nbytes, shard_ranks(compiled, ns[0]), sum(grads[n] for n in ns))
-               for _, ns, nbytes in grad_buckets(entries)]  # fmt: skip
-    live = scatter = outputs = freed = 0
-    running: list[int] = []  # the inputs of the buckets in flight, oldest first
-
-    def wait_oldest() -> tuple[int, int]:  # gloo sums a reduce-scatter as an all-reduce of a copy of its input
-        nbytes = running.pop(0)
-        return max(scatter, live + nbytes), live - nbytes
-
-    for nbytes, n, held in buckets:
-        while len(running) >= Buckets.INFLIGHT:
-            scatter, live = wait_oldest()
-        live += nbytes  # its input
-        scatter = max(scatter, live)
-        live += nbytes // n - held  # its gradients freed once copied in, its output made
-        outputs, freed = outputs + nbytes // n, freed + held
-        scatter = max(scatter, live)
-        running.append(nbytes)
-    while running:
-        scatter, live = wait_oldest()
-    if reduce != full.itemsize:
+    shapes, dims, groups = {}, {}, {}
+    for n in compiled.traced.params:
+        if pieces.get(n) is None or shard_ranks(compiled, n) < 2 or (names is not None and n not in names):
+            continue
+        shapes[n], layout = tuple(compiled.local_param_shape(n)), compiled.param_layouts[n]
+        axes = shard_axes(compiled, n)
+        ragged = ragged_dims(tuple(compiled.traced.params[n].shape), layout, compiled.axes.sizes)
+        dims[n] = zero1_shard_dim(shapes[n], shard_ranks(compiled, n), layout, ragged, len(axes))
+        groups[n] = DataGroup(None, axes, 0, shard_ranks(compiled, n))
+    if not shapes:
+        return 0, 0, 0
+    buckets = _DryZero1(shapes, dims, groups, reduce)
+    params = {n: torch.nn.Parameter(torch.empty(shape, dtype=param, device="meta")) for n, shape in shapes.items()}
+    for p in params.values():
+        p.grad = torch.empty_like(p)
+    freed = sum(p.grad.nbytes for p in params.values())
+    with PeakTracker() as tracker:
+        tracker.baseline([*params.values(), *(p.grad for p in params.values())])
+        base = tracker.live
+        out = buckets.reduce_scatter(params)  # frees the gradients
+        scatter, outputs = tracker.peak - base, tracker.live - base + freed
+    if reduce.itemsize != full.itemsize:
         scatter = max(scatter, outputs + copies - freed)
-    gather = most_held([nbytes // reduce * param * (n + 1) // n for nbytes, n, _ in buckets])
+    del out
+    targets = {n: p.data for n, p in params.items()}
+    mine = {n: torch.empty(_piece(shape, dims[n], groups[n].size), dtype=full, device="meta")
+            for n, shape in shapes.items()}  # fmt: skip
+    with PeakTracker() as tracker:
+        tracker.baseline([*targets.values(), *mine.values()])
+        base = tracker.live
+        buckets.all_gather(mine, targets)
+        gather = tracker.peak - base
     return scatter, gather, freed
+
+
+class _DryZero1(Zero1Buckets):
+    """`Zero1Buckets` on meta tensors: nobody sums or gathers; a reduce-scatter's wait allocates the copy
+    of its input gloo sums (its reduce-scatter is an all-reduce of a copy of the input)."""
+
+    def scatter(self, mine, buf, bucket):
+        return _GlooSum(buf)
+
+    def gather(self, full, mine, bucket):
+        return _GlooSum(None)
+
+
+class _GlooSum:
+    def __init__(self, buf: torch.Tensor | None):
+        self.buf = buf
+
+    def wait(self) -> None:
+        if self.buf is not None:
+            torch.empty_like(self.buf)  # held while the sum runs, then freed
+
+
+def _piece(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
+    """Rank 0's piece of a tensor of `shape` cut along `dim` into `n` (torch.chunk's first, the largest)."""
+    out = list(shape)
+    out[dim] = -(-shape[dim] // n)
+    return tuple(out)
 
 
 def optimizer_compute(compiled: Compiled, names=None) -> Compute:
