@@ -177,11 +177,14 @@ def _meshes(shape: ModelShape, devices: int, seq: int, node: int):
 
 
 def _schedules(shape: ModelShape, pp: int, m: int, exhaustive: bool):
+    """The (schedule, chunks) worth pricing for `pp` ranks and `m` microbatches, each one torch runs: its
+    Schedule1F1B needs m >= pp, and with fewer microbatches GPipe runs the same order."""
     if pp == 1:
         yield "1f1b", 1
         return
-    yield "1f1b", 1
-    if exhaustive:
+    if m >= pp:
+        yield "1f1b", 1
+    if exhaustive or m < pp:
         yield "gpipe", 1
     for v in (2, 3, 4, 6, 8) if exhaustive else (2, 4, 8):
         if pp * v <= shape.layers + 2 and m % pp == 0:  # the first and last stage may hold no layer

@@ -163,7 +163,8 @@ def _bad(flaw: str):
     mesh = Mesh(pp=2)
     x = torch.zeros(4, 16, dtype=torch.long)
     model = build("llama-tiny")
-    kw = dict(microbatches=3) if flaw == "microbatches" else dict(microbatches=2, schedule="zbv")  # zbv: 4 stages > 2 layers
+    kw = {"microbatches": dict(microbatches=3), "1f1b": dict(microbatches=1, schedule="1f1b"),
+          "stages": dict(microbatches=2, schedule="zbv")}[flaw]  # zbv: 4 stages > 2 layers
     COUNTER.reset()
     before = len(mdist._MESHES)
     try:
@@ -178,6 +179,8 @@ def _bad(flaw: str):
     [
         ("microbatches", r"the batch of 4 does not split into 3 microbatches"),
         ("stages", r"4 pipeline stages but the model has 2 layers"),
+        ("1f1b", r"schedule '1f1b' with 1 microbatch\(es\) on 2 pipeline stages: torch's Schedule1F1B .* Fix: "
+                 r"microbatches=2 or more, or schedule='gpipe'"),
     ],
 )
 def test_bad_pipeline_input_fails_on_every_rank_before_any_communication(flaw, message):

@@ -594,3 +594,15 @@ def test_the_model_state_is_what_the_runtime_stores(mesh, zero):
     assert closed == pytest.approx(stored + gathered, rel=1e-3), (closed, stored, gathered)
     megatron = transformer_comm.model_state(params, config.replace(main_grads=True))
     assert megatron - closed == pytest.approx(0 if zero >= 2 else 2 * sum(params), rel=1e-9)
+
+
+def test_the_search_prices_only_schedules_torch_runs():
+    """torch's Schedule1F1B refuses fewer microbatches than stages; there the search prices GPipe, which
+    runs the same order, and 1F1B from m = pp on."""
+    from meshlib.planner import _schedules
+
+    for exhaustive in (False, True):
+        assert ("1f1b", 1) not in list(_schedules(GPT_350M, 4, 2, exhaustive))
+        assert ("gpipe", 1) in list(_schedules(GPT_350M, 4, 2, exhaustive))
+        assert ("1f1b", 1) in list(_schedules(GPT_350M, 4, 4, exhaustive))
+    assert ("gpipe", 1) not in list(_schedules(GPT_350M, 4, 4, False))

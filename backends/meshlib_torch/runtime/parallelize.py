@@ -81,6 +81,14 @@ def _check_runtime(compiled, offload: bool) -> None:
         raise ValueError("replicate_axes (HSDP) needs zero=2 or 3, where FSDP2 shards over the other data axes")
     if offload and opts.zero < 2:
         raise ValueError("offload needs zero=2 or 3 (FSDP2's CPUOffloadPolicy)")
+    if compiled.pipelined and compiled.schedule.name == "1f1b":
+        stages, m = len(compiled.schedule.placement), compiled.microbatches
+        if m < stages:
+            raise ValueError(
+                f"schedule '1f1b' with {m} microbatch(es) on {stages} pipeline stages: torch's Schedule1F1B needs at "
+                f"least as many microbatches as stages. Fix: microbatches={stages} or more, or schedule='gpipe' (the "
+                "same order when there are fewer microbatches than stages)"
+            )
 
 
 __all__ = ["parallelize"]
