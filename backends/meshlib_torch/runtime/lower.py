@@ -74,13 +74,13 @@ def lower(compiled, dm, model: nn.Module, source: weights.Source) -> Lowered:
         root.add_module(spec.name, Pending(spec))
     if isinstance(compiled.program, TracedStages):
         graphs = [compiled.stages.graphs[s] for s in local]
-        grads = unsummed_grads(compiled)
+        grads = _unsummed_grads(compiled)
         modules = [_in_layers(compiled, fx.GraphModule(root, executable(g, device, plain, grads=grads)))
                    for g in graphs]  # fmt: skip
         return Lowered(nn.ModuleList(modules), modules, local, device)  # the stages hold the parameters now
     deferred = deferred_loss(compiled)  # the runtime sums the loss itself, beside backward
     skip = {deferred[0].name} if deferred is not None else set()
-    graph = executable(compiled.graph, device, plain, skip=skip, grads=unsummed_grads(compiled))
+    graph = executable(compiled.graph, device, plain, skip=skip, grads=_unsummed_grads(compiled))
     gm = _in_layers(compiled, fx.GraphModule(root, graph))
     return Lowered(gm, [gm], local, device)
 
@@ -211,7 +211,7 @@ def _constants(compiled, buffers: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def unsummed_grads(compiled) -> dict[str, list]:
+def _unsummed_grads(compiled) -> dict[str, list]:
     """Per parameter whose gradient backward leaves unsummed over data axes (ZeRO-1's, which its
     optimizer step reduce-scatters), the DTensor placements that gradient has: the parameter's, Partial
     over those axes. So `p.grad` says what it is, and DTensor code reading it (`full_tensor`, torch's
@@ -233,7 +233,7 @@ def executable(
     """A copy of a compiled graph to run on `device`: tensors it makes are made there, the ops of
     grad-mode and autocast regions run under their modes (`regions.apply_regions`), with `plain`
     parameters are read as they are (no DTensor to unwrap), the collectives named in `skip`
-    are left to the runtime, and the parameters in `grads` (`unsummed_grads`) read with their
+    are left to the runtime, and the parameters in `grads` (`_unsummed_grads`) read with their
     gradients' placements."""
     new = fx.Graph()
     new.output(new.graph_copy(graph, {}))

@@ -239,7 +239,7 @@ class Parallel(nn.Module):
         for name, g in grads.items():
             if g is None or (self.pipeline is not None and not self.pipeline.owns(name)):
                 continue
-            local, pieces = held_values(g)
+            local, pieces = _held_values(g)
             total += torch.linalg.vector_norm(local, dtype=_norm_dtype(local)).double() ** 2 * pieces / holders
         dist.all_reduce(total)
         return float(total.sqrt())
@@ -266,7 +266,7 @@ class Parallel(nn.Module):
         return norm
 
 
-def held_values(g: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _held_values(g: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The values of gradient `g` this rank holds, and into how many distinct pieces its mesh cuts the
     whole (1: a plain tensor, whole on every rank). A Partial gradient is summed first (an all-reduce)."""
     if not isinstance(g, DTensor):
