@@ -6,7 +6,7 @@ bf16. The bundled Llama trains 3 AdamW steps against the bf16 single-process run
 takes one step, whose loss and gradients are compared with the unmodified model cast to bf16 and
 run as it is (bf16 keeps 8 bits: the loss to 1e-2, each gradient to a tenth of its largest entry,
 sums taken in other orders). Every pipeline schedule, on pp=2 x tp=2 with sequence parallelism;
-dp=2 x pp=2 x tp=2 with ZeRO-1 and block recompute; and stages holding only the embedding or the head.
+dp=2 x pp=2 x tp=2 with ZeRO-1 and block recompute, clipped or not; and stages holding only the embedding or the head.
 """
 
 import pytest
@@ -30,7 +30,7 @@ _REFERENCES: dict = {}
 
 def _bundled(mesh: str, **options) -> None:
     run = RunConfig(model="llama-tiny", mesh=mesh, **BF16, **options)
-    key = run.overrides.get("n_layers", 2)
+    key = (run.overrides.get("n_layers", 2), run.max_norm)
     if key not in _REFERENCES:
         _REFERENCES[key] = train_reference(run)
     results = get_pool(Mesh.parse(mesh).size).run(train_parallel, run)
@@ -46,6 +46,13 @@ def test_bundled_llama_on_every_schedule(schedule):
 
 def test_bundled_llama_with_dp_zero1_and_block_recompute():
     _bundled("dp=2,pp=2,tp=2", zero=1, recompute="block", schedule="1f1b")
+
+
+def test_bundled_llama_with_dp_zero1_block_recompute_and_clipping():
+    """The same, clipped to a global norm every step: the norm (compared step by step with the reference's,
+    which torch's `clip_grad_norm_` takes on the whole bf16 model) is summed from ZeRO-1's pieces over dp,
+    tp and both stages."""
+    _bundled("dp=2,pp=2,tp=2", zero=1, recompute="block", schedule="1f1b", max_norm=0.05)
 
 
 def build_llama4(dtype=torch.float32):
