@@ -78,3 +78,34 @@ def test_zero1s_unsummed_gradients_are_partial_and_its_norm_is_one_scalar_all_re
         assert torchs == pytest.approx(expected, rel=1e-9)
         assert ours == pytest.approx(expected, rel=1e-9)
         assert sizes == [1]
+
+
+def _backward_between_clipping_and_step(run):
+    from meshlib_torch.testing.parity import batch_of, build_parallel
+
+    par = build_parallel(run)
+    opt = par.optimizer(lr=1e-3)
+    par(*batch_of(run, 0)).backward()
+    par.clip_grad_norm_(1.0, opt=opt)
+    par(*batch_of(run, 1)).backward()  # too late: its gradients are not in the sums the step would apply
+    try:
+        opt.step()
+    except RuntimeError as err:
+        refused = str(err)
+    else:
+        refused = None
+    opt.zero_grad()  # starting over works
+    par(*batch_of(run, 0)).backward()
+    par.clip_grad_norm_(1.0, opt=opt)
+    return refused, opt.step()
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_backward_after_the_gradients_were_summed_is_refused_at_the_step(precision):
+    """ZeRO-1 frees each gradient it reduce-scatters, and a bf16 model's master takes a copy: a backward
+    run after clipping summed them would otherwise be dropped from the step without a word."""
+    run = RunConfig(model="llama-tiny", mesh="dp=2", zero=1, dtype="float32", precision=precision)
+    for refused, stepped in get_pool(2).run(_backward_between_clipping_and_step, run):
+        assert refused is not None and "changed after opt.reduce_gradients()" in refused and "Fix:" in refused
+        assert stepped is True

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,8 @@ class MeshOptimizer(torch.optim.Optimizer):
     shard of it), so its state is sharded exactly as the masters are; the updated master is copied or
     all-gathered back into the parameter. Under ZeRO-1 `step` frees the gradient of each parameter it
     splits once it is reduce-scattered (`.grad` is None after it), as FSDP2 frees an unsharded gradient.
+    `reduce_gradients` (which clipping calls) runs that summing ahead of the step; a backward run between
+    it and the step is refused at the step, as its gradients would not be in the sums applied.
     This is a `torch.optim.Optimizer` whose `param_groups` and `state` are the inner optimizer's, so
     learning-rate schedulers drive it as they drive any other.
     """
@@ -84,6 +87,11 @@ class MeshOptimizer(torch.optim.Optimizer):
         self.param_groups, self.state = self.inner.param_groups, self.inner.state  # one set: schedulers see it
         self.scaler: LossScaler | None = None
         self._ready: dict[str, torch.Tensor] | None = None  # `reduce_gradients`', until the step applies them
+        self._late: set[str] = set()  # gradients a backward added to after `reduce_gradients` took them
+        me = weakref.ref(self)  # the parameters' hooks must not keep a dropped optimizer's state alive
+        for name, p in params.items():  # those it copies into a master, or reduce-scatters and frees
+            if name in self.master and p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _, name=name: me() is not None and me()._arrived(name))
 
     def _spread(self, name: str) -> bool:
         """Whether ZeRO-1 spreads this parameter's state over more than one rank."""
@@ -124,7 +132,7 @@ class MeshOptimizer(torch.optim.Optimizer):
 
     # -- the step -------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._ready = None
+        self._ready, self._late = None, set()
         for p in self.params.values():
             p.grad = None
         for m in self.master.values():
@@ -160,11 +168,28 @@ class MeshOptimizer(torch.optim.Optimizer):
         self._ready = ready
         return ready
 
+    def _arrived(self, name: str) -> None:
+        if self._ready is not None:
+            self._late.add(name)
+
+    def _check_unchanged(self) -> None:
+        """Refuse to step on sums a later backward has outdated: a gradient that `reduce_gradients` copied
+        into a master, or reduce-scattered and freed, that a backward has since added to or made again."""
+        if self._late:
+            changed = sorted(self._late)
+            names = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            raise RuntimeError(
+                f"the gradients of {names} changed after opt.reduce_gradients() (or clipping) summed them: a backward "
+                "ran in between, and the step would apply the sums taken before it. Fix: run every backward of the "
+                "step first, then clip and step (train_step does), or call opt.zero_grad() to start the step over"
+            )
+
     @torch.no_grad()
     def step(self, closure=None) -> bool:
         """One update; False when fp16 loss scaling found an overflow and skipped it."""
         if closure is not None:
             raise TypeError("MeshOptimizer.step takes no closure: the model's step runs the forward and backward")
+        self._check_unchanged()
         self.reduce_gradients()
         self._ready = None
         grads = [t.grad for g in self.inner.param_groups for t in g["params"] if t.grad is not None]
