@@ -238,3 +238,19 @@ def test_stages_with_only_the_embedding_or_the_head(sched, mesh, layers):
     stages = result.plan.stages
     assert len(stages) == layers + 2 and stages[0].modules == stages[-1].modules == ()
     assert [s.modules for s in stages[1:-1]] == [(f"layers.{i}",) for i in range(layers)]
+
+
+def test_a_plan_torch_would_refuse_says_so():
+    """A 1F1B plan with fewer microbatches than stages is a plan to read, not to run: it says why, with the
+    fix, in the words parallelize refuses it with."""
+    from meshlib_torch import compile_model
+
+    mesh, x = Mesh(pp=2), torch.zeros(4, 16, dtype=torch.long, device="meta")
+    cfg = config("llama-tiny")
+    plan = compile_model(build(cfg, device="meta"), mesh=mesh, rules=default_rules(cfg, mesh), example_inputs=(x, x),
+                         schedule="1f1b").plan  # fmt: skip
+    assert "torch's Schedule1F1B needs at least as many microbatches as stages" in plan.note_map["schedule"]
+    assert "does not run" in plan.note_map["schedule"]
+    fine = compile_model(build(cfg, device="meta"), mesh=mesh, rules=default_rules(cfg, mesh), example_inputs=(x, x),
+                         schedule="1f1b", microbatches=2).plan  # fmt: skip
+    assert "schedule" not in fine.note_map

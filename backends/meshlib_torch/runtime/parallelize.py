@@ -22,6 +22,7 @@ from meshlib import Mesh
 from meshlib.options import Parallelism, Pipelining, Running, gather
 
 from ..compiler.compile import compile_model
+from ..compiler.pipeline.compile import torch_refuses
 from . import dist as mdist
 from . import weights as weights_mod
 from .lower import lower
@@ -81,14 +82,8 @@ def _check_runtime(compiled, offload: bool) -> None:
         raise ValueError("replicate_axes (HSDP) needs zero=2 or 3, where FSDP2 shards over the other data axes")
     if offload and opts.zero < 2:
         raise ValueError("offload needs zero=2 or 3 (FSDP2's CPUOffloadPolicy)")
-    if compiled.pipelined and compiled.schedule.name == "1f1b":
-        stages, m = len(compiled.schedule.placement), compiled.microbatches
-        if m < stages:
-            raise ValueError(
-                f"schedule '1f1b' with {m} microbatch(es) on {stages} pipeline stages: torch's Schedule1F1B needs at "
-                f"least as many microbatches as stages. Fix: microbatches={stages} or more, or schedule='gpipe' (the "
-                "same order when there are fewer microbatches than stages)"
-            )
+    if compiled.pipelined and (refused := torch_refuses(compiled.schedule, compiled.microbatches)) is not None:
+        raise ValueError(refused)
 
 
 __all__ = ["parallelize"]

@@ -100,6 +100,19 @@ def _check_recompute(core, recompute: str) -> None:
         )
 
 
+def torch_refuses(core, m: int) -> str | None:
+    """Why torch's pipelining would refuse to run the core schedule `core` with `m` microbatches, with the
+    fix; None where it runs it."""
+    stages = len(core.placement)
+    if core.name == "1f1b" and m < stages:
+        return (
+            f"schedule '1f1b' with {m} microbatch(es) on {stages} pipeline stages: torch's Schedule1F1B needs at "
+            f"least as many microbatches as stages. Fix: microbatches={stages} or more, or schedule='gpipe' (the "
+            "same order when there are fewer microbatches than stages)"
+        )
+    return None
+
+
 def _plan_with_stages(compiled, stages, core, layers: list[str], m: int, pp_axis: str, split: str, estimate: bool):
     """The plan's stages (layers, cost, what each sends per microbatch) and its collectives per rank
     per step: each with the pp coordinate of the ranks that run it (`stage_collectives`)."""
@@ -109,6 +122,8 @@ def _plan_with_stages(compiled, stages, core, layers: list[str], m: int, pp_axis
         mods = tuple(layers[a:b])
         out.append(Stage(s, core.placement[s], mods, stages.costs[s] if stages.costs else 0.0, tuple(sends)))
     notes = dict(plan.notes) | {"stage split": f"{split}, balanced by {stages.balance}"}
+    if (refused := torch_refuses(core, m)) is not None:
+        notes["schedule"] = f"{refused}. This plan does not run: parallelize refuses it"
     memory, compute = stage_memory(compiled, stages, core, estimate)
     return plan.replace(
         stages=tuple(out), schedule=core.name, microbatches=m, pp_axis=pp_axis, notes=tuple(notes.items()),
@@ -194,4 +209,4 @@ def stage_collectives(compiled, stages, core, m: int, pp_axis: str) -> list[Coll
     return out
 
 
-__all__ = ["compile_pipeline", "stage_collectives", "stage_memory"]
+__all__ = ["compile_pipeline", "stage_collectives", "stage_memory", "torch_refuses"]
