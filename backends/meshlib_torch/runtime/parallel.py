@@ -258,9 +258,9 @@ class Parallel(nn.Module):
         norm = self.grad_norm(opt) / scale
         coef = max_norm / (norm + 1e-6)
         if math.isfinite(norm) and coef < 1.0:
-            grads = opt.reduce_gradients() if opt is not None else self.named_model_parameters()
-            for g in grads.values():
-                g = g if opt is not None else g.grad
+            params = self.named_model_parameters().values()
+            grads = opt.reduce_gradients().values() if opt is not None else [p.grad for p in params]
+            for g in grads:
                 if g is not None:
                     local_tensor(g).mul_(coef)  # a sum of scaled (Partial) gradients is the scaled sum
         return norm
