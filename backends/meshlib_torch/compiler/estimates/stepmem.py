@@ -42,7 +42,7 @@ def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> t
     """ZeRO-1's buckets, run as the step runs them (`zero1_buckets.Zero1Buckets`, on meta tensors of rank
     0's shapes, whose pieces are the largest): the most bytes held above the model state while the
     gradients are reduce-scattered (each bucket's input until it lands, its output, and while it is waited
-    for the copy of its input gloo sums, `_GlooSum`; each gradient freed once its bucket holds it; where
+    for the copy of its input gloo sums, `_DryWork`; each gradient freed once its bucket holds it; where
     the gradients sum in another dtype than the masters', the outputs are held until the masters'
     gradients, `copies`, are made from them); the most above the masters' gradients while the updated
     pieces are all-gathered; and the bytes of the gradients freed. (NCCL reduce-scatters without gloo's
@@ -90,19 +90,22 @@ class _DryZero1(Zero1Buckets):
     of its input gloo sums (its reduce-scatter is an all-reduce of a copy of the input)."""
 
     def scatter(self, mine, buf, bucket):
-        return _GlooSum(buf)
+        return _DryWork(buf)
 
     def gather(self, full, mine, bucket):
-        return _GlooSum(None)
+        return _DryWork(None)
 
 
-class _GlooSum:
-    def __init__(self, buf: torch.Tensor | None):
-        self.buf = buf
+class _DryWork:
+    """A collective's wait on meta tensors: a reduce-scatter's (`copied`: its input) holds a copy of the
+    input while gloo sums it; an all-gather's nothing more."""
+
+    def __init__(self, copied: torch.Tensor | None):
+        self.copied = copied
 
     def wait(self) -> None:
-        if self.buf is not None:
-            torch.empty_like(self.buf)  # held while the sum runs, then freed
+        if self.copied is not None:
+            torch.empty_like(self.copied)  # held while the sum runs, then freed
 
 
 def _piece(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
