@@ -156,12 +156,18 @@ def race(model: str, dp: int, batch: int, seq: int, rounds: int, steps: int, lr:
     # the same first step: loss before it, and loss after it (which checks the update too)
     losses = {k: [fn(0), fn(1)] for k, fn in sides.items() if k != "native"}
     losses["native"] = [_global_mean(sides["native"](0)), _global_mean(sides["native"](1))]
+    times = _alternated(sides, rounds, steps, len(batches))
+    return {"losses": losses, "times": times, "layers": cfg.n_layers, "dim": cfg.dim}
+
+
+def _alternated(sides: dict, rounds: int, steps: int, batches: int) -> dict:
+    """Seconds per step of each side, one timing of each per round, the order rotated every round."""
     times = {k: [] for k in sides}
     order = list(sides.items())
     for r in range(rounds):
         for name, fn in order[r % len(order) :] + order[: r % len(order)]:
-            times[name].append(_timed(fn, steps, range(len(batches))))
-    return {"losses": losses, "times": times, "layers": cfg.n_layers, "dim": cfg.dim}
+            times[name].append(_timed(fn, steps, range(batches)))
+    return times
 
 
 # -- (g) clipping under ZeRO-1 ---------------------------------------------------------------------
@@ -187,9 +193,4 @@ def clipping(model: str, dp: int, batch: int, seq: int, rounds: int, steps: int)
     sides = {how: (lambda b, how=how: step(b, how)) for how in ("none", "pieces", "each")}
     for fn in sides.values():
         fn(0)  # warm-up; the optimizer state
-    times = {k: [] for k in sides}
-    order = list(sides.items())
-    for r in range(rounds):
-        for name, fn in order[r % len(order) :] + order[: r % len(order)]:
-            times[name].append(_timed(fn, steps, range(len(batches))))
-    return {"times": times}
+    return {"times": _alternated(sides, rounds, steps, len(batches))}

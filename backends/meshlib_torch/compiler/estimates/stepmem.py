@@ -75,8 +75,7 @@ def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> t
         scatter = max(scatter, outputs + copies - freed)
     del out
     targets = {n: p.data for n, p in params.items()}
-    mine = {n: torch.empty(_piece(shape, dims[n], groups[n].size), dtype=full, device="meta")
-            for n, shape in shapes.items()}  # fmt: skip
+    mine = {p.name: torch.empty(p.shape, dtype=full, device="meta") for b in buckets.buckets for p in b.pieces}
     with PeakTracker() as tracker:
         tracker.baseline([*targets.values(), *mine.values()])
         base = tracker.live
@@ -106,13 +105,6 @@ class _DryWork:
     def wait(self) -> None:
         if self.copied is not None:
             torch.empty_like(self.copied)  # held while the sum runs, then freed
-
-
-def _piece(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
-    """Rank 0's piece of a tensor of `shape` cut along `dim` into `n` (torch.chunk's first, the largest)."""
-    out = list(shape)
-    out[dim] = -(-shape[dim] // n)
-    return tuple(out)
 
 
 def optimizer_compute(compiled: Compiled, names=None) -> Compute:
