@@ -122,6 +122,11 @@ class DeviceProfile:
       `matmul_half` FLOPs half of that);
     - `memory`, `memory_bandwidth`, `memory_efficiency`: bytes per device, bytes per second at peak, and the
       fraction of it that elementwise ops reach (they are bound by memory traffic);
+    - `cache`, `cache_bandwidth`: the bytes a run of ops may keep touching and find in cache, and the bytes
+      per second it then moves (0: no cache is modelled, every byte goes to memory). It prices `Compute.reused`,
+      the traffic of ops that re-read what the ops before them just touched (an unfused optimizer's dozen ops
+      over one parameter and its state); on GPUs the fused optimizer reads each tensor once, so their profiles
+      leave it at 0;
     - `fused_efficiency`: the fraction of peak that FLOPs outside plain matrix products reach (a fused
       attention kernel: its softmax and masking run between its products);
     - `devices_per_node`, `links`: the network, innermost level first (inside a node, then across nodes);
@@ -152,6 +157,8 @@ class DeviceProfile:
     devices_per_node: int
     links: tuple[Link, ...]
     memory_efficiency: float = 0.8
+    cache: int = 0
+    cache_bandwidth: float = 0.0
     fused_efficiency: float = 1.0
     host_per_op: float = 0.0
     host_per_update_op: float | None = None
@@ -177,6 +184,8 @@ class DeviceProfile:
             problems.append(f"matmul_efficiency={self.matmul_efficiency} in (0, 1], matmul_half >= 0")
         if not 0 < self.memory_efficiency <= 1 or self.memory_bandwidth <= 0 or self.memory <= 0:
             problems.append("memory, memory_bandwidth > 0 and memory_efficiency in (0, 1]")
+        if self.cache < 0 or self.cache_bandwidth < 0 or (self.cache > 0) != (self.cache_bandwidth > 0):
+            problems.append(f"cache={self.cache} and cache_bandwidth={self.cache_bandwidth}: both 0 or both > 0")
         if not 0 < self.fused_efficiency <= 1:
             problems.append(f"fused_efficiency={self.fused_efficiency} in (0, 1]")
         if self.devices_per_node < 1 or not self.links or len(self.links) > 2:

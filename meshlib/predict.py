@@ -148,18 +148,21 @@ def compute_time(
     return _time(c, profile, _rates(profile, dtype, ranks, host))
 
 
-def _rates(profile: DeviceProfile, dtype: str, ranks: int, host: float | None = None) -> tuple[float, float, float]:
-    """(FLOP/s, bytes/s, host seconds per op) of one device of `ranks` sharing a host: read once per step."""
+def _rates(profile: DeviceProfile, dtype: str, ranks: int, host: float | None = None) -> tuple[float, ...]:
+    """(FLOP/s, bytes/s, host seconds per op, bytes/s from cache) of one device of `ranks` sharing a host: read
+    once per step."""
     peak = profile.flops_per_s(dtype) * profile.share(ranks, "matmul")
     bw = profile.memory_bandwidth * profile.memory_efficiency * profile.share(ranks, "memory")
     per_op = profile.host_per_op if host is None else host
-    return peak, bw, per_op / profile.share(ranks, "host")  # ranks sharing a host's cores share its host time too
+    cached = profile.cache_bandwidth * profile.share(ranks, "memory")  # each core's cache serves the ranks on it
+    return peak, bw, per_op / profile.share(ranks, "host"), cached  # ranks sharing the cores share host time too
 
 
-def _time(c: Compute, profile: DeviceProfile, rates: tuple[float, float, float]) -> float:
-    peak, bw, per_op = rates
+def _time(c: Compute, profile: DeviceProfile, rates: tuple[float, ...]) -> float:
+    peak, bw, per_op, cached = rates
     device = sum(n * max(f / (peak * profile.matmul_fraction(f)), b / bw) for f, b, n in c.matmuls if f > 0)
     device += c.bytes / bw + c.flops / (peak * profile.fused_efficiency)
+    device += sum(b / (cached if w <= profile.cache else bw) for w, b in c.reused)
     host = c.op_count * per_op
     return max(device, host) if profile.host_overlaps else device + host
 

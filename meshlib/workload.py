@@ -38,12 +38,16 @@ class Compute:
 
     `matmuls`: `(flops, bytes, count)` per size of matrix product: `count` products of `flops` FLOPs each,
     each reading and writing `bytes`; `flops`, `bytes`, `ops`: every other op together (elementwise, norms,
-    softmax: bound by memory traffic)."""
+    softmax: bound by memory traffic); `reused`: `(working set, bytes)` pairs, traffic beyond `bytes` that
+    re-reads and re-writes tensors a run of ops has just touched, `working set` bytes of them at a time (the
+    optimizer's ops over one parameter and its state): served from cache where the working set fits in it
+    (`DeviceProfile.cache`), from memory where not."""
 
     matmuls: tuple[tuple[float, float, int], ...] = ()
     flops: float = 0.0
     bytes: float = 0.0
     ops: int = 0
+    reused: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         mm = self.matmuls
@@ -53,8 +57,14 @@ class Compute:
                 if n:
                     merged[(f, b)] = merged.get((f, b), 0) + n
             object.__setattr__(self, "matmuls", tuple((f, b, n) for (f, b), n in merged.items()))
-        if self.flops < 0 or self.bytes < 0 or self.ops < 0:
-            raise ValueError(f"Compute: flops={self.flops}, bytes={self.bytes}, ops={self.ops} must be >= 0")
+        if len(self.reused) > 1 or type(self.reused) is not tuple:  # one entry per working set
+            reused: dict[float, float] = {}
+            for w, b in self.reused:
+                reused[float(w)] = reused.get(float(w), 0.0) + float(b)
+            object.__setattr__(self, "reused", tuple(reused.items()))
+        if self.flops < 0 or self.bytes < 0 or self.ops < 0 or any(min(w, b) < 0 for w, b in self.reused):
+            raise ValueError(f"Compute: flops={self.flops}, bytes={self.bytes}, ops={self.ops}, reused={self.reused} "
+                             "must be >= 0")
 
     @property
     def matmul_flops(self) -> float:
@@ -70,12 +80,12 @@ class Compute:
 
     def __add__(self, other: Compute) -> Compute:
         return Compute(self.matmuls + other.matmuls, self.flops + other.flops, self.bytes + other.bytes,
-                       self.ops + other.ops)  # fmt: skip
+                       self.ops + other.ops, self.reused + other.reused)  # fmt: skip
 
     def scaled(self, k: float) -> Compute:
         """`k` times the work (k a whole number of repeats for the op counts)."""
         return Compute(tuple((f, b, round(n * k)) for f, b, n in self.matmuls), self.flops * k, self.bytes * k,
-                       round(self.ops * k))  # fmt: skip
+                       round(self.ops * k), tuple((w, b * k) for w, b in self.reused))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,36 @@ def test_shared_cores_and_model_memory_efficiency_are_read_off_their_measurement
 
 
 @pytest.mark.ranks
+def test_the_cache_is_the_oss_per_core_and_its_rate_the_streaming_ops_on_tensors_that_fit(calibrated):
+    """`cache`: the last-level cache the machine reports over the cores sharing it; `cache_bandwidth`: the
+    best of copy and add-into-a-kept-tensor on the largest measured tensors of which three fit in it."""
+    profile, sidecar, _ = calibrated
+    m = sidecar["measurements"]
+    cache = m["machine"]["cache"]
+    fits = [n for _, n, *_ in m["memory"] if 3 * 4 * n <= cache]
+    if not fits:
+        assert (profile.cache, profile.cache_bandwidth) == (0, 0.0)
+        return
+    rates = [b / t for op, n, t, _, b in m["memory"] if n == max(fits) and op in ("copy", "add_out")]
+    assert profile.cache == cache and profile.cache_bandwidth == pytest.approx(max(rates))
+    assert profile.cache_bandwidth > profile.memory_bandwidth * profile.memory_efficiency
+
+
+def test_the_cache_per_core_is_read_off_sysfs(tmp_path):
+    """The highest data or unified level, over the CPUs its `shared_cpu_list` names; none: 0."""
+    from meshlib_torch.calibrate.measure import cache_per_core
+
+    for index, (level, kind, size, cpus) in enumerate([(1, "Data", "48K", "0"), (1, "Instruction", "32K", "0"),
+                                                       (2, "Unified", "1024K", "0"), (3, "Unified", "32768K", "0-1,4-5")]):
+        d = tmp_path / f"index{index}"
+        d.mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", cpus)):
+            (d / name).write_text(f"{value}\n")
+    assert cache_per_core(str(tmp_path)) == (32 << 20) // 4
+    assert cache_per_core(str(tmp_path / "missing")) == 0
+
+
+@pytest.mark.ranks
 def test_alpha_beta_reproduces_the_measured_collectives(calibrated):
     """Each measured collective against the planner's formula on a mesh of its ranks."""
     profile, sidecar, _ = calibrated

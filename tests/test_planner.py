@@ -344,6 +344,60 @@ def test_a_pipeline_on_shared_cores_takes_the_longer_of_its_schedule_alone_and_i
     assert gpu.step_time == pytest.approx(alone) and gpu.bubble == pytest.approx(alone - 8 * (t_f + t_b))
 
 
+def test_traffic_over_a_working_set_that_fits_in_cache_runs_at_the_caches_rate():
+    """`Compute.reused` bytes over a working set of at most `cache` bytes take bytes / (cache_bandwidth x the
+    ranks' share of memory work); over a larger one, or on a profile without a cache, the memory rate."""
+    from meshlib.predict import compute_time
+    from meshlib.workload import Compute
+
+    cpu = A100.replace(name="cpu-like", cores=2.0, host_overlaps=False, cache=16 << 20, cache_bandwidth=1e11,
+                       memory_bandwidth=6e10, memory_efficiency=0.5)  # fmt: skip
+    small, large = Compute(bytes=3e6, reused=((8 << 20, 9e6),)), Compute(bytes=3e6, reused=((32 << 20, 9e6),))
+    assert compute_time(small, cpu, "float32") == pytest.approx(3e6 / 3e10 + 9e6 / 1e11)
+    assert compute_time(large, cpu, "float32") == pytest.approx(12e6 / 3e10)
+    assert compute_time(small, cpu, "float32", 4) == pytest.approx(2 * compute_time(small, cpu, "float32"))
+    assert compute_time(small, A100, "float32") == compute_time(Compute(bytes=12e6), A100, "float32")
+    both = (small + large).scaled(2)  # one entry per working set, the bytes added and scaled
+    assert both.reused == ((8 << 20, 18e6), (32 << 20, 18e6)) and both.bytes == 12e6
+    with pytest.raises(ValueError, match="cache"):
+        A100.replace(cache=1 << 20)
+
+
+def test_the_updates_traffic_is_one_pass_over_its_tensors_and_the_rest_over_one_tensors_working_set():
+    """The plan's update (torch's AdamW, one tensor at a time): per master of n fp32 elements, `bytes` is one
+    read of the parameter, its gradient and its two moments and one write of the three that change (7 x 4n);
+    everything else the counted ops move is `reused` over those four tensors and the update's temporaries.
+    Together they are the whole traffic torch's ops move, counted op by op."""
+    from collections import Counter
+
+    from meshlib_torch import data
+    from meshlib_torch.compiler.estimates.opcount import OpCounter
+
+    cfg = models.config("llama-tiny")
+    mesh, batch = Mesh(dp=2), data.batch(0, batch_size=8, seq_len=16)
+    with torch.device("meta"):
+        plan = compile_model(models.build(cfg), mesh=mesh, rules=models.default_rules(cfg, mesh),
+                             example_inputs=batch, estimate_memory=True).plan  # fmt: skip
+    with torch.device("meta"):
+        sizes = Counter(p.numel() for p in models.build(cfg).parameters())
+    total = 0.0
+    for n, k in sizes.items():
+        p = torch.nn.Parameter(torch.empty(n, device="meta"))
+        p.grad = torch.empty_like(p)
+        opt = torch.optim.AdamW([p], foreach=False)
+        opt.step()
+        counter = OpCounter()
+        with counter:
+            opt.step()
+        total += counter.computes()["forward"].bytes * k
+    update = plan.compute[0].optimizer
+    assert update.bytes == 7 * 4 * sum(n * k for n, k in sizes.items())
+    assert update.bytes + sum(b for _, b in update.reused) == pytest.approx(total)
+    # one working set per size of master: its four tensors and the update's temporaries (at most two more)
+    assert len(update.reused) == len(sizes)
+    assert all(16 * n < w <= 24 * n for n, (w, _) in zip(sorted(sizes), sorted(update.reused)))
+
+
 def test_ranks_in_lockstep_wait_at_each_collective_for_the_last_of_them():
     """Four dp ranks on 2 cores with 3 all-reduces per microbatch and 2 per step: the step takes
     sqrt(drift * C * K) longer than without drift, C the rank's compute and update, K = 3 * m + 2; the wait

@@ -188,12 +188,14 @@ def _chain(x: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:
 def busy_compute(alone: bool, *, m: int = 512, k: int = 512, n: int = 2048, reps: int = 10, rounds: int = 3,
                  numel: int = 1 << 24) -> list[dict] | None:  # fmt: skip
     """Every rank of the pool computes at once (or rank 0 `alone`, while the others return at once and wait,
-    idle, for their next job). In each of `rounds` rounds, after a barrier, each runs `reps` products x @ W.T
-    of (m, k) by (n, k) in fp32 (the `linear` forward: 2·m·k·n FLOPs each), then `reps` fresh `a + b` of
-    `numel` fp32 elements (64 MiB each at the default), then 500·`reps` tiny `x * y` under autograd (host
-    time per op). Returns, per round, this rank's seconds for each and the FLOPs, bytes and ops they are; the
-    caller takes the slowest rank of a round (the one a synchronous step waits for) and the fastest round.
-    One warm-up call of each first."""
+    idle, for their next job). In each of `rounds` rounds, each after a barrier of its own, each runs `reps`
+    products x @ W.T of (m, k) by (n, k) in fp32 (the `linear` forward: 2·m·k·n FLOPs each), then `reps`
+    fresh `a + b` of `numel` fp32 elements (64 MiB each at the default), then 5,000·`reps` tiny `x * y` under
+    autograd (host time per op; about 0.1 s alone, so that the ranks' runs overlap: a job shorter than the
+    ranks' spread after the job before ran one rank after another and read as fast as alone). Returns, per
+    round, this rank's seconds for each and the FLOPs, bytes and ops they are; the caller takes the slowest
+    rank of a round (the one a synchronous step waits for) and the fastest round. One warm-up call of each
+    first."""
     if alone and dist.get_rank() > 0:
         return None
     _pin()
@@ -203,17 +205,17 @@ def busy_compute(alone: bool, *, m: int = 512, k: int = 512, n: int = 2048, reps
     jobs = {
         "matmul": (lambda: torch.mm(x, w.t()), reps, 2.0 * m * k * n),
         "memory": (lambda: a + b, reps, 3.0 * numel * 4),
-        "host": (lambda: xg * y, 500 * reps, 1.0),
+        "host": (lambda: xg * y, 5000 * reps, 1.0),
     }
     out = []
     with torch.enable_grad():
         for fn, _, _ in jobs.values():
             fn()
         for _ in range(rounds):
-            if not alone:
-                dist.barrier()
             out.append({})
             for what, (fn, calls, work) in jobs.items():
+                if not alone:
+                    dist.barrier()  # every kind of work starts together
                 start = time.perf_counter()
                 for _ in range(calls):
                     fn()

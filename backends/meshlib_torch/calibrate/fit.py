@@ -15,7 +15,9 @@ batch of each measurement (`compute.timed`: the one other processes disturbed le
   model runs them, over it (`fit_model_memory`: a 192-wide Llama's forward and backward on one rank, less
   its products and attention at the fitted rates and its host time, over the bytes its dry run counts for
   the rest); without that measurement, fresh add, mul and scale on 16 MiB tensors (their median). `memory`
-  is the host's RAM, which its ranks share;
+  is the host's RAM, which its ranks share; `cache` is the last-level cache the OS reports over the cores
+  that share it, and `cache_bandwidth` the best streaming rate on the largest tensors that fit in it three at
+  a time (`fit_cache`), which an unfused optimizer's re-reads of one parameter and its state reach;
 - **host**: `host_per_op` and `host_per_update_op` are a compiled model's forward-and-backward and update
   time per counted op where the arithmetic is nil (`runtime.runtime_times`: 8-wide tensors); measurements
   without it fall back to the mean of a tiny op's forward under autograd and its share of backward;
@@ -46,8 +48,8 @@ from meshlib.devices import DeviceProfile, Link
 from meshlib.predict import collective_terms, compute_time
 from meshlib.workload import Compute
 
-__all__ = ["comm_terms", "fit_attention", "fit_by_ranks", "fit_cores", "fit_drift", "fit_link", "fit_matmul",
-           "fit_memory", "fit_model_memory", "fit_profile", "saturating"]  # fmt: skip
+__all__ = ["comm_terms", "fit_attention", "fit_by_ranks", "fit_cache", "fit_cores", "fit_drift", "fit_link",
+           "fit_matmul", "fit_memory", "fit_model_memory", "fit_profile", "saturating"]  # fmt: skip
 
 _GAMMAS = tuple(round(0.05 * i, 2) for i in range(41))
 
@@ -147,6 +149,18 @@ def fit_memory(rows, numel: int = 1 << 22) -> tuple[float, float]:
     return peak, min(1.0, statistics.median(rate[op] for op in ("add", "mul", "scale")) / peak)
 
 
+def fit_cache(rows, cache: int) -> tuple[int, float]:
+    """(cache, cache_bandwidth) from `(op, numel, fastest, median seconds, bytes)` rows and the bytes of
+    cache one core has (`measure.cache_per_core`): the best streaming rate (copy or add into kept tensors) on
+    the largest tensors whose three (add's two inputs and its output) fit in it; (0, 0.0) where none do or
+    the OS reports no cache."""
+    sizes = [n for _, n, *_ in rows if 3 * 4 * n <= cache]  # fp32 elements
+    if not sizes or cache <= 0:
+        return 0, 0.0
+    size = max(sizes)
+    return cache, max(nbytes / t for op, n, t, _, nbytes in rows if n == size and op in ("copy", "add_out"))
+
+
 def fit_model_memory(model: dict, profile: DeviceProfile) -> float | None:
     """memory_efficiency from a model's forward and backward (`runtime.runtime_times`'s `model`): its fastest
     time less its products, fused attention and host time on `profile`, is the time of the bytes the dry
@@ -190,12 +204,14 @@ def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
                 alphas=tuple(comm["alpha"].items()), tree=False, by_ranks=by_ranks["rows"])  # fmt: skip
     comm = {**comm, "one curve": comm["points"], "points": by_ranks["points"]}
     bandwidth, mem_eff = fit_memory(m["memory"])
+    cache, cache_bandwidth = fit_cache(m["memory"], m["machine"].get("cache", 0))
     extra = {f"matmul_{what}.{d}": f[what] for what in ("rate", "half", "best") for d, f in mm.items()}
     extra |= {f"host.{k}": v for k, v in host.items()}
     extra |= {"other_cpu": m["machine"].get("other_cpu", -1.0)}
     profile = DeviceProfile(
         name=name, flops=tuple(flops.items()), matmul_efficiency=efficiency, matmul_half=mm["float32"]["half"],
         memory=_memory_bytes(), memory_bandwidth=bandwidth, memory_efficiency=mem_eff,
+        cache=cache, cache_bandwidth=cache_bandwidth,
         fused_efficiency=fit_attention(m["attention"], flops["float32"]), devices_per_node=max(m["ranks"]),
         links=(link,), **_host(m, host), host_overlaps=False, cores=cores,
         sharing=tuple((w, n, v) for w, by_n in speed.items() for n, v in by_n.items() if n > 1),

@@ -15,6 +15,7 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -110,7 +111,36 @@ def machine() -> dict:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     return {"cpu": names[0] if names else platform.processor(), "cores": os.cpu_count() or 1,
             "torch": torch.__version__, "python": platform.python_version(),
-            "system": f"{platform.system()} {platform.release()}", "load": list(os.getloadavg())}  # fmt: skip
+            "system": f"{platform.system()} {platform.release()}", "load": list(os.getloadavg()),
+            "cache": cache_per_core()}  # fmt: skip
+
+
+def cache_per_core(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Bytes of the last-level cache the OS reports for the first core, over the cores that share it (sysfs:
+    32 MiB of L3 shared by 2 cores here gives 16 MiB); 0 where it reports none."""
+    best = (0, 0)
+    for index in sorted(Path(root).glob("index*")):
+        try:
+            level, kind = int((index / "level").read_text()), (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+            sharing = (index / "shared_cpu_list").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or not size:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+        nbytes = int(size[:-1] if unit > 1 else size) * unit
+        best = max(best, (level, nbytes // max(1, _count_cpus(sharing))))
+    return best[1]
+
+
+def _count_cpus(cpu_list: str) -> int:
+    """How many CPUs a sysfs list such as "0-1,4" names."""
+    count = 0
+    for part in filter(None, cpu_list.split(",")):
+        lo, _, hi = part.partition("-")
+        count += int(hi or lo) - int(lo) + 1
+    return count
 
 
 def _busy_ticks() -> int:

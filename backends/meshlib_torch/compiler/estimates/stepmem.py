@@ -109,7 +109,10 @@ class _DryWork:
 
 def optimizer_compute(compiled: Compiled, names=None) -> Compute:
     """What the update computes on a rank holding the parameters `names` (all by default): torch's AdamW, one
-    tensor at a time, run on meta tensors of each master's size and counted op by op (`opcount.OpCounter`)."""
+    tensor at a time, run on meta tensors of each master's size and counted op by op (`opcount.OpCounter`).
+    Of each tensor's traffic, one read of the parameter, its gradient and its state and one write of the
+    parameter and the state are `bytes`; the rest re-touches them, op after op, while they and the update's
+    temporaries are the working set (`Compute.reused`: from cache where that fits)."""
     sizes = Counter(_masters(compiled, names)[0])
     full = next(iter(compiled.traced.params.values())).dtype
     out = Compute()
@@ -121,7 +124,11 @@ def optimizer_compute(compiled: Compiled, names=None) -> Compute:
         counter = OpCounter()
         with counter:
             opt.step()
-        out = out + counter.computes().get("forward", Compute()).scaled(k)
+        c = counter.computes().get("forward", Compute())
+        state = sum(v.nbytes for v in opt.state[p].values() if v.numel() == n)  # not the step count
+        once = min(c.bytes, (p.nbytes + p.grad.nbytes + state) + (p.nbytes + state))
+        held = p.nbytes + p.grad.nbytes + state + _update_peak([n], full)
+        out = out + Compute(c.matmuls, c.flops, once, c.ops, ((held, c.bytes - once),)).scaled(k)
     return out
 
 
