@@ -331,15 +331,23 @@ def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
         return {}
     out = {}
     for name in compiled.traced.params:
-        n, layout = shard_ranks(compiled, name), compiled.param_layouts[name]
-        ragged = ragged_dims(tuple(compiled.traced.params[name].shape), layout, compiled.axes.sizes)
-        split = zero1_split(compiled.local_param_shape(name), n, layout, ragged, len(shard_axes(compiled, name)))
+        split = zero1_split(*zero1_args(compiled, name))
         out[name] = None if split is None else split[0]
     return out
+
+
+def zero1_args(compiled: Compiled, name: str) -> tuple:
+    """What ZeRO-1's cut of parameter `name` is decided by (`placements.zero1_split`, `zero1_shard_dim`): its
+    local shape, its `shard_ranks`, its layout, the dims another axis cuts unevenly and the number of data
+    axes it is split over."""
+    layout = compiled.param_layouts[name]
+    ragged = ragged_dims(tuple(compiled.traced.params[name].shape), layout, compiled.axes.sizes)
+    return (tuple(compiled.local_param_shape(name)), shard_ranks(compiled, name), layout, ragged,
+            len(shard_axes(compiled, name)))  # fmt: skip
 
 
 __all__ = [
     "Compiled", "EagerStages", "OneGraph", "Program", "TracedStages", "buffer_dtype", "check_zero", "data_axes",
     "default_in_spec", "deferred_loss", "fsdp_whole", "input_layouts", "model_state", "persistent_buffers",
-    "sequence_length", "shard_axes", "shard_ranks", "zero1_pieces",
+    "sequence_length", "shard_axes", "shard_ranks", "zero1_args", "zero1_pieces",
 ]  # fmt: skip

@@ -21,8 +21,7 @@ from meshlib import Compute
 
 from ...memtrack import PeakTracker
 from ..placement.placements import zero1_shard_dim
-from ..placement.shapes import ragged_dims
-from ..program import Compiled, shard_axes, shard_ranks, zero1_pieces
+from ..program import Compiled, shard_axes, shard_ranks, zero1_args, zero1_pieces
 from ..zero1_buckets import DataGroup, Zero1Buckets
 from .opcount import OpCounter
 
@@ -54,11 +53,9 @@ def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> t
     for n in compiled.traced.params:
         if pieces.get(n) is None or shard_ranks(compiled, n) < 2 or (names is not None and n not in names):
             continue
-        shapes[n], layout = tuple(compiled.local_param_shape(n)), compiled.param_layouts[n]
-        axes = shard_axes(compiled, n)
-        ragged = ragged_dims(tuple(compiled.traced.params[n].shape), layout, compiled.axes.sizes)
-        dims[n] = zero1_shard_dim(shapes[n], shard_ranks(compiled, n), layout, ragged, len(axes))
-        groups[n] = DataGroup(None, axes, 0, shard_ranks(compiled, n))
+        args = zero1_args(compiled, n)
+        shapes[n], dims[n] = args[0], zero1_shard_dim(*args)
+        groups[n] = DataGroup(None, shard_axes(compiled, n), 0, args[1])
     if not shapes:
         return 0, 0, 0
     buckets = _DryZero1(shapes, dims, groups, reduce)
