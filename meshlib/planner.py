@@ -31,6 +31,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from ._table import human_bytes
 from .devices import DeviceProfile, device_profile
 from .predict import Prediction, predict
 from .simulation import bubble_formula
@@ -80,10 +81,10 @@ def search(
                    {**MESHLIB_RUNTIME, **(runtime or {})}, exhaustive)  # fmt: skip
     ranked = space.best(max(top, RESIMULATED))
     if not ranked:
-        need = f"; the least any configuration needs is {space.tight / GIB:.1f} GiB" if space.tight < math.inf else ""
+        need = f"; the least any configuration needs is {human_bytes(space.tight)}" if space.tight < math.inf else ""
         raise ValueError(
             f"no configuration of this model fits {devices} device{'s' if devices > 1 else ''} of "
-            f"{space.memory / GIB:.1f} GiB at batch {batch} x seq {seq}{need}. Fix: more devices, a smaller batch or "
+            f"{human_bytes(space.memory)} at batch {batch} x seq {seq}{need}. Fix: more devices, a smaller batch or "
             "sequence, or devices with more memory"
         )
     timed = sorted(((_simulated(c, space), c) for c in ranked), key=lambda sc: _rank(sc[0]))[:top]

@@ -116,9 +116,12 @@ def test_the_search_finds_the_exhaustive_best_and_every_candidate_fits():
 
 
 def test_a_space_where_nothing_fits_is_refused_naming_the_least_need():
-    with pytest.raises(ValueError, match=r"no configuration .* fits 8 devices of 0.2 GiB.*the least any configuration "
-                                         r"needs is \d+\.\d GiB. Fix"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"no configuration .* fits 8 devices of 256.00 MiB.*the least any "
+                                         r"configuration needs is 751.50 MiB. Fix"):  # fmt: skip
         search(GPT_350M, devices=8, batch=64, seq=2048, profile=A100, device_memory=2**28)
+    with pytest.raises(ValueError, match=r"fits 4 devices of 1.00 MiB.*needs is \d+\.\d\d MiB. Fix"):
+        search(ModelShape(layers=4, hidden=256, heads=8, ffn=688, vocab=256), devices=4, batch=8, seq=128,
+               profile=A100, device_memory=2**20)  # a small model on small devices: its sizes, not 0.0 GiB
 
 
 @pytest.mark.parametrize("mesh, options", [(dict(dp=2, tp=2, pp=1), {}), (dict(dp=1, tp=2, pp=2), {"microbatches": 2})])
@@ -178,6 +181,7 @@ def test_auto_says_when_the_full_plan_disagrees_with_the_search():
     said = disagreement(pred(4.0, 0.9), pred(18.0, 1.4))
     assert said.startswith("note: the full plan predicts 19.4 s per step where the search's closed form said 4.9 s")
     assert "compute 4 / 18 s, comm 0.9 / 1.4 s" in said
+    assert "ring attention" not in said and "ring attention" in disagreement(pred(4.0, 0.9), pred(18.0, 1.4), True)
 
 
 def test_auto_prints_the_best_plans_why_and_how_to_run_the_first(capsys):
@@ -272,6 +276,14 @@ def test_auto_plans_returns_the_search_and_the_first_compiled_with_its_predictio
     assert plan.mesh.size == 4 and plan.prediction is not None
     assert plan.prediction == predict_plan(plan.replace(prediction=None), device_profile("cpu"))
     assert tuple(plan.mesh.axis_sizes) == tuple(found[0].config.mesh.axis_sizes)
+
+
+def test_auto_plans_refuses_a_sequence_longer_than_a_bundled_model_takes_before_searching():
+    """moe-tiny's rotary table holds 64 positions: seq=128 would fail inside the first plan's trace."""
+    from meshlib_torch import auto_plans
+
+    with pytest.raises(ValueError, match=r"seq=128 is longer than the model's maximum 64. Fix: seq <= 64"):
+        auto_plans(models.build("moe-tiny"), devices=4, profile="cpu", batch=8, seq=128)
 
 
 def test_fsdp2s_collectives_are_timed_one_per_unit_with_every_parameters_bytes():

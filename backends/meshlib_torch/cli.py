@@ -166,7 +166,8 @@ def auto_main(args) -> Plan:
         )
     plan = plan.replace(notes=plan.notes + (("model", args.model), ("batch x seq", f"{args.batch} x {seq}")))
     show(*[t for t in _plan_tables(plan, grouped=True) if t.title in ("plan", "memory per rank", "predicted step")])
-    if (said := disagreement(cand.prediction, plan.prediction)) is not None:
+    ring = cand.config.cp > 1 and cand.config.cp_method == "ring"
+    if (said := disagreement(cand.prediction, plan.prediction, ring)) is not None:
         print("\n" + said)
     if not _own(args):
         print("\nrun it:\n  " + run_command(cand, model=args.model, batch=args.batch, seq=seq,
@@ -183,18 +184,22 @@ def auto_main(args) -> Plan:
 DISAGREE = 0.25  # the full plan's step against the search's beyond which --auto says so
 
 
-def disagreement(closed, planned) -> str | None:
+def disagreement(closed, planned, ring: bool = False) -> str | None:
     """What to tell a user when the full plan's predicted step (what its dry run counts the ranks running)
-    differs from the search's closed form by more than `DISAGREE`: both, part by part; None within it."""
+    differs from the search's closed form by more than `DISAGREE`: both, part by part; None within it.
+    `ring`: the plan runs ring attention (whose masked blocks run as tiles of eager ops)."""
     if abs(planned.step_time / closed.step_time - 1) <= DISAGREE:
         return None
     parts = ("compute", "comm", "bubble", "optimizer")
     both = ", ".join(f"{k} {getattr(closed, k):.4g} / {getattr(planned, k):.4g} s" for k in parts)
+    how = ("meshlib's ring attention computes the blocks a mask cuts in tiles of eager ops, where the closed form "
+           "prices a fused kernel" if ring else "the dry run counts each op the ranks run, each with its host "
+           "time, and each collective as the runtime issues it, where the closed form prices fused kernels and "
+           "fewer, larger collectives")  # fmt: skip
     return (
         f"note: the full plan predicts {planned.step_time:.4g} s per step where the search's closed form said "
         f"{closed.step_time:.4g} s ({both}, closed form / plan): the runtime runs this plan otherwise than the "
-        "closed form assumes (for one, meshlib's ring attention computes its blocks in tiles of eager ops, where "
-        "the closed form prices a fused kernel), so the search's ranking of it is that much less sure"
+        f"closed form assumes ({how}), so the search's ranking of it is that much less sure"
     )
 
 

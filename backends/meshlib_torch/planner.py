@@ -81,13 +81,17 @@ def auto_plans(
     """The search's `top` candidates for `model` and the first `compile_top` of them compiled into full plans
     (each with its prediction). `rules`: a function of the mesh (default: a bundled model's own)."""
     profile = device_profile(profile)
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    bundled = cfg is not None and type(cfg) in {type(c) for c in models.CONFIGS.values()}
+    if rules is None and not bundled:
+        raise ValueError("auto_plans: give rules= (a function of the mesh) for a model that is not bundled")
+    limit = (getattr(cfg, "block_size", None) or cfg.max_seq_len) if bundled else None
+    if limit is not None and seq > limit:  # before the search: its plans would fail to compile
+        raise ValueError(f"auto_plans: seq={seq} is longer than the model's maximum {limit}. Fix: seq <= {limit}")
     shape = model_shape(model)
     found = search(shape, devices=devices, batch=batch, seq=seq, profile=profile, device_memory=device_memory,
                    dtype=dtype, top=top, runtime=torch_runtime())  # fmt: skip
     if rules is None:
-        cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
-        if cfg is None or type(cfg) not in {type(c) for c in models.CONFIGS.values()}:
-            raise ValueError("auto_plans: give rules= (a function of the mesh) for a model that is not bundled")
         rules = lambda mesh: models.default_rules(cfg, mesh)  # noqa: E731
     plans = [compile_candidate(model, c, rules=rules, batch=batch, seq=seq, profile=profile)
              for c in found[:compile_top]]  # fmt: skip
