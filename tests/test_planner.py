@@ -410,6 +410,23 @@ def test_the_updates_traffic_is_one_pass_over_its_tensors_and_the_rest_over_one_
     assert all(16 * n < w <= 24 * n for n, (w, _) in zip(sorted(sizes), sorted(update.reused)))
 
 
+def test_the_op_counter_moves_no_bytes_for_ops_that_only_reshape_their_input():
+    """A batched linear layer is a view, a product and matmul's `_unsafe_view` of the result (which shares
+    its input's storage, though its schema does not say so): only the product moves bytes. An elementwise
+    op moves its input and output."""
+    from meshlib_torch.compiler.estimates.opcount import OpCounter
+
+    x, w = torch.empty(2, 128, 256, device="meta"), torch.empty(512, 256, device="meta")
+    counter = OpCounter()
+    with counter:
+        y = torch.nn.functional.linear(x, w)
+        torch.ops.aten._unsafe_view(y, [256, 512])
+        z = y * 2.0
+    forward = counter.computes()["forward"]
+    assert forward.matmul_flops == 2 * 256 * 256 * 512 and z.shape == (2, 128, 512)
+    assert forward.bytes == 2 * y.numel() * 4  # the multiply's read and write; the reshapes none
+
+
 def test_ranks_in_lockstep_wait_at_each_collective_for_the_last_of_them():
     """Four dp ranks on 2 cores with 3 all-reduces per microbatch and 2 per step: the step takes
     sqrt(drift * C * K) longer than without drift, C the rank's compute and update, K = 3 * m + 2; the wait

@@ -27,9 +27,12 @@ from ...torch_private import TorchDispatchMode, in_backward, pytree
 
 __all__ = ["OpCounter"]
 
-# ops that allocate or describe without moving data
+# ops that allocate or describe without moving data; `_unsafe_view` returns its input's storage reshaped (as
+# `view` does, but its schema does not say it aliases, so `func.is_view` is False: matmul's reshapes of its
+# operands and result run through it)
 _FREE = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias", "lift_fresh",
-         "_to_copy_meta", "sym_size", "sym_stride", "sym_numel", "is_same_size", "_local_scalar_dense"}  # fmt: skip
+         "_to_copy_meta", "sym_size", "sym_stride", "sym_numel", "is_same_size", "_local_scalar_dense",
+         "_unsafe_view"}  # fmt: skip
 
 
 def _fused_attention(args, backward: bool) -> float:
