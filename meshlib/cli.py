@@ -359,7 +359,8 @@ def parser() -> argparse.ArgumentParser:
         "the planner",
         "With --auto the search chooses the mesh (dp, tp, pp, ep, cp), ZeRO, recompute, microbatches, schedule,\n"
         "chunks and the cp method for --devices devices of --profile, --batch and --seq; it prints the best plans,\n"
-        "why each axis is there, the best one's full per-rank plan and the `meshlib run` line that trains it.",
+        "why each axis is there, the full per-rank plan of the fastest of them by their dry runs (--refine) and\n"
+        "the `meshlib run` line that trains it.",
     )
     auto.add_argument("--auto", action="store_true", help="search for the fastest plan that fits (needs --profile)")
     auto.add_argument("--devices", type=_positive, default=None, help="devices to plan for (default: the mesh's)")
@@ -368,6 +369,11 @@ def parser() -> argparse.ArgumentParser:
         help="memory per device, e.g. 80GiB or 24e9 (default: the profile's)",
     )  # fmt: skip
     auto.add_argument("--top", type=_positive, default=5, help="plans to list")
+    auto.add_argument(
+        "--refine", type=_positive, default=3, metavar="N",
+        help="compile the search's best N that fit into full plans and run the fastest by them (default 3; 1: the "
+        "search's first that fits)",
+    )  # fmt: skip
     plan.add_argument(
         "--profile", default=None, metavar="a100|h100|cpu|FILE.json",
         help="predict the step on these devices: time, tokens/s, MFU, and the shares of compute, exposed "

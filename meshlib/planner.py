@@ -69,12 +69,13 @@ class Candidate:
 def search(
     shape: ModelShape, /, *, devices: int, batch: int, seq: int, profile: DeviceProfile | str,
     device_memory: float | None = None, dtype: str = "bfloat16", top: int = 10, exhaustive: bool = False,
-    runtime: dict | None = None,
+    runtime: dict | None = None, explain: int = 1,
 ) -> list[Candidate]:  # fmt: skip
     """The `top` configurations of `shape` on `devices` devices of `profile` for a step of `batch` sequences
     of `seq` tokens that fit `device_memory` bytes per device (default: the profile's), fastest first (a plan
-    with another parallel axis must be `SIMPLER` faster per axis to rank above one without). Raises
-    ValueError, naming the smallest need, when none fits."""
+    with another parallel axis must be `SIMPLER` faster per axis to rank above one without); the first
+    `explain` say why each axis is there (`Candidate.why`). Raises ValueError, naming the smallest need, when
+    none fits."""
     profile = device_profile(profile)
     _check(shape, devices, batch, seq)
     space = _Space(shape, devices, batch, seq, profile, float(device_memory or profile.memory), dtype,
@@ -88,8 +89,8 @@ def search(
             "sequence, or devices with more memory"
         )
     timed = sorted(((_simulated(c, space), c) for c in ranked), key=lambda sc: _rank(sc[0]))[:top]
-    (best, first), rest = timed[0], [s for s, _ in timed[1:]]
-    return [Candidate(best.config, best.prediction, _why(first, space))] + rest
+    return [Candidate(c.config, c.prediction, _why(quick, space)) if i < explain else c
+            for i, (c, quick) in enumerate(timed)]  # fmt: skip
 
 
 SIMPLER = 0.01  # the predicted gain an extra parallel axis must bring to rank first (within the model's error)
@@ -280,8 +281,10 @@ def _why(best: Candidate, space: _Space) -> tuple[str, ...]:
 
 def _slower(alt: Candidate, t: float) -> str:
     gap = alt.prediction.step_time / t - 1
-    if gap < 0:  # ranked below for its extra axis: faster by less than `SIMPLER` an axis
+    if -SIMPLER < gap < 0:  # ranked below for its extra axis: faster by less than `SIMPLER` an axis
         return f"{-gap:.1%} faster, less than the {SIMPLER:.0%} per axis an extra axis must gain"
+    if gap < 0:  # explaining a plan the closed form ranks below the first (`search(explain=)`)
+        return f"{-gap:.1%} faster by the closed form" if gap > -0.1 else f"{-gap:.0%} faster by the closed form"
     return f"{gap:.1%} slower" if gap < 0.1 else f"{gap:.0%} slower"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -115,6 +116,19 @@ def test_the_search_finds_the_exhaustive_best_and_every_candidate_fits():
         assert axis in why, why
 
 
+def test_the_search_explains_as_many_plans_as_asked_each_against_its_own_alternatives():
+    """`explain=k`: the first k candidates say why each axis is there. One the closed form ranks below the
+    first by more than `SIMPLER` says which plan without its axis is faster, and by how much."""
+    from meshlib.planner import SIMPLER
+
+    found = search(GPT_350M, devices=64, batch=256, seq=2048, profile=A100, top=4, explain=4)
+    assert len(found) == 4 and all(len(c.why) == 7 for c in found)
+    assert not any(c.why for c in search(GPT_350M, devices=64, batch=256, seq=2048, profile=A100, top=4)[1:])
+    first = found[0].prediction.step_time
+    behind = [c for c in found if c.prediction.step_time > first * (1 + SIMPLER)]
+    assert behind and all(any("faster by the closed form" in w for w in c.why) for c in behind)
+
+
 def test_a_space_where_nothing_fits_is_refused_naming_the_least_need():
     with pytest.raises(ValueError, match=r"no configuration .* fits 8 devices of 256.00 MiB.*the least any "
                                          r"configuration needs is 751.50 MiB. Fix"):  # fmt: skip
@@ -184,15 +198,31 @@ def test_auto_says_when_the_full_plan_disagrees_with_the_search():
     assert "ring attention" not in said and "ring attention" in disagreement(pred(4.0, 0.9), pred(18.0, 1.4), True)
 
 
-def test_auto_prints_the_best_plans_why_and_how_to_run_the_first(capsys):
+def test_auto_prints_the_best_plans_why_and_how_to_run_the_fastest_by_their_full_plans(capsys, tmp_path):
+    """--auto compiles the search's best --refine that fit and runs the fastest by its full plan: the plan it
+    prints and writes, the run line, and the table of the compiled ones agree; --refine 1 runs the search's
+    first."""
     from meshlib_torch.cli import main
 
-    main(["plan", "--auto", "--model", "gpt-small", "--devices", "4", "--profile", "cpu", "--batch", "8", "--seq",
-          "128", "--device-memory", "4GiB", "--top", "3"])  # fmt: skip
+    args = ["plan", "--auto", "--model", "gpt-small", "--devices", "4", "--profile", "cpu", "--batch", "8", "--seq",
+            "128", "--device-memory", "4GiB", "--top", "3"]  # fmt: skip
+    main(args + ["--json", str(tmp_path / "best.json")])
     printed = capsys.readouterr().out
     assert "the best plans for 4" in printed and "why this plan" in printed and "predicted step" in printed
     line = printed.split("run it:")[1].strip()
     assert line.startswith("meshlib run --nproc-per-node 4 --model gpt-small --mesh ")
+    refined = printed.split("the best plans that fit, by their full plans")[1].split("each compiled")[0]
+    rows = refined.strip().splitlines()[2:]  # under the header and its rule
+    assert len(rows) == 3 and rows[0].split()[-1] == "runs" and "runs" not in rows[1] + rows[2]
+    full = [re.findall(r"([0-9.e-]+) s\b", r)[1] for r in rows]  # closed form, then the full plan's step
+    assert [float(x) for x in full] == sorted(float(x) for x in full)  # fastest first
+    best = Plan.from_json((tmp_path / "best.json").read_text())
+    assert f"{best.prediction.step_time:.4g}" == full[0]
+    assert f"--mesh {rows[0].split()[1]} " in line
+    main(args + ["--refine", "1", "--json", str(tmp_path / "first.json")])
+    printed = capsys.readouterr().out
+    first = Plan.from_json((tmp_path / "first.json").read_text())
+    assert "by their full plans" not in printed and first.prediction.step_time >= best.prediction.step_time
 
 
 def test_auto_plans_a_users_own_model_read_off_its_modules(capsys, tmp_path, monkeypatch):
@@ -276,6 +306,36 @@ def test_auto_plans_returns_the_search_and_the_first_compiled_with_its_predictio
     assert plan.mesh.size == 4 and plan.prediction is not None
     assert plan.prediction == predict_plan(plan.replace(prediction=None), device_profile("cpu"))
     assert tuple(plan.mesh.axis_sizes) == tuple(found[0].config.mesh.axis_sizes)
+    # several compiled: fastest first by their own predictions, each within the memory, each one of the search's
+    found, plans = auto_plans(models.build("gpt-small"), devices=4, profile="cpu", batch=8, seq=128,
+                              device_memory=4 * 2**30, top=3, compile_top=3, dtype="float32")  # fmt: skip
+    steps = [p.prediction.step_time for p in plans]
+    assert len(plans) == 3 and steps == sorted(steps) and all(p.prediction.memory <= 4 * 2**30 for p in plans)
+    assert {tuple(p.mesh.axis_sizes) for p in plans} <= {tuple(c.config.mesh.axis_sizes) for c in found}
+    assert all(c.why for c in found)  # each candidate says why each axis is there
+
+
+def test_refine_compiles_in_the_searchs_order_until_enough_fit_and_runs_the_fastest_by_its_plan():
+    """Candidates compiled in order; one over the memory is passed over (and said); once `count` fit, no more
+    are compiled; those are ordered by their plans' steps, a tie keeping the search's order."""
+    from types import SimpleNamespace
+
+    from meshlib_torch.planner import refine
+
+    plans = {"a": (5.0, 90), "b": (4.0, 50), "c": (3.0, 60), "d": (4.0, 40), "e": (1.0, 10)}  # step, memory
+    compiled = []
+
+    def compile_(cand):
+        compiled.append(cand)
+        step, memory = plans[cand]
+        return SimpleNamespace(prediction=SimpleNamespace(step_time=step, memory=memory))
+
+    fits, over = refine(list("abcde"), compile_, limit=80, count=3)
+    assert compiled == list("abcd")  # "e", the fastest, is past the three that fit: not compiled
+    assert [c for c, _ in fits] == ["c", "b", "d"] and [c for c, _ in over] == ["a"]
+    compiled.clear()
+    fits, over = refine(list("abcde"), compile_, limit=30, count=3)
+    assert compiled == list("abcde") and [c for c, _ in fits] == ["e"] and len(over) == 4
 
 
 def test_auto_plans_refuses_a_sequence_longer_than_a_bundled_model_takes_before_searching():

@@ -137,7 +137,7 @@ def auto_main(args) -> Plan:
     """`meshlib plan --auto`: the search's best plans, why, the best one's full plan and how to run it."""
     from meshlib.planner import search
 
-    from .planner import compile_candidate, model_shape, parallelize_call, run_command, torch_runtime
+    from .planner import compile_candidate, model_shape, no_fit, parallelize_call, refine, run_command, torch_runtime
 
     if not args.profile:
         raise ValueError("--auto predicts step times on some devices: give --profile a100|h100|cpu|FILE.json")
@@ -147,23 +147,25 @@ def auto_main(args) -> Plan:
     model = _subject(args, Mesh(dp=1), seq)[0]
     found = search(model_shape(model), devices=devices, batch=args.batch, seq=seq, profile=profile,
                    device_memory=args.device_memory, top=args.top, dtype=_auto_dtype(args, profile),
-                   runtime=torch_runtime())  # fmt: skip
-    show(_candidates_table(found, devices, profile), Table("why this plan", ("", "reason"),
-                                                           [(i + 1, w) for i, w in enumerate(found[0].why)]))
+                   runtime=torch_runtime(), explain=args.top)  # fmt: skip
+    show(_candidates_table(found, devices, profile))
     limit = args.device_memory or profile.memory
-    for i, cand in enumerate(found):  # the dry run has the last word on memory
+
+    def compiled(cand):
         model, rules, inputs, kwargs, _ = _subject(args, cand.config.mesh, seq)
-        plan = compile_candidate(model, cand, rules=rules, batch=args.batch, seq=seq, profile=profile,
+        return compile_candidate(model, cand, rules=rules, batch=args.batch, seq=seq, profile=profile,
                                  example=inputs, example_kwargs=kwargs)  # fmt: skip
-        if plan.prediction.memory <= limit:
-            break
-        print(f"plan {i + 1} ({cand.mesh}) needs {human_bytes(plan.prediction.memory)} per rank by its dry run, "
-              f"more than {human_bytes(limit)}" + ("; the next:" if i + 1 < len(found) else ""))  # fmt: skip
-    else:
-        raise ValueError(
-            f"none of the {len(found)} best plans fits {human_bytes(limit)} per rank by its dry run (the closed form "
-            "underestimated their activations). Fix: --top with more plans, a smaller --batch or --seq, or more devices"
-        )
+
+    fits, over = refine(found, compiled, limit=limit, count=args.refine)
+    for cand, plan in over:  # the dry run has the last word on memory
+        print(f"plan {found.index(cand) + 1} ({cand.mesh}) needs {human_bytes(plan.prediction.memory)} per rank by its "
+              f"dry run, more than {human_bytes(limit)}")  # fmt: skip
+    if not fits:
+        raise ValueError(no_fit(len(found), limit))
+    cand, plan = fits[0]
+    if len(fits) > 1 or cand is not found[0]:
+        show(_refined_table(found, fits))
+    show(Table("why this plan", ("", "reason"), [(i + 1, w) for i, w in enumerate(cand.why)]))
     plan = plan.replace(notes=plan.notes + (("model", args.model), ("batch x seq", f"{args.batch} x {seq}")))
     show(*[t for t in _plan_tables(plan, grouped=True) if t.title in ("plan", "memory per rank", "predicted step")])
     ring = cand.config.cp > 1 and cand.config.cp_method == "ring"
@@ -211,11 +213,26 @@ def _auto_dtype(args, profile) -> str:
     return max(("bfloat16", "float32"), key=profile.flops_per_s)
 
 
+def _refined_table(found: list, fits: list) -> Table:
+    """The best plans that fit, re-timed by their full plans (`planner.refine`), fastest first."""
+    rows = [(found.index(c) + 1, c.mesh, c.config.zero, c.config.microbatch, _pipeline_cell(c.config),
+             f"{c.prediction.step_time:.4g} s", f"{p.prediction.step_time:.4g} s", human_bytes(p.prediction.memory),
+             "runs" if i == 0 else "") for i, (c, p) in enumerate(fits)]  # fmt: skip
+    return Table("the best plans that fit, by their full plans", ("#", "mesh", "zero", "mb", "pipeline", "closed form",
+                 "full plan", "peak per rank (dry run)", ""), rows,
+                 caption="each compiled on the meta device: its dry run counts every op and collective its ranks run; "
+                 "the fastest by it runs (--refine: how many to compile)")  # fmt: skip
+
+
+def _pipeline_cell(c) -> str:
+    return f"{c.schedule}" + (f" v={c.chunks}" if c.chunks > 1 else "") if c.pp > 1 else "-"
+
+
 def _candidates_table(found: list, devices: int, profile) -> Table:
     rows = []
     for i, cand in enumerate(found):
         c, p = cand.config, cand.prediction
-        pipe = f"{c.schedule}" + (f" v={c.chunks}" if c.chunks > 1 else "") if c.pp > 1 else "-"
+        pipe = _pipeline_cell(c)
         rows.append((
             i + 1, cand.mesh, c.zero, c.recompute, "on" if c.sp else "off", c.microbatch, pipe,
             c.cp_method if c.cp > 1 else "-", f"{p.step_time:.4g} s", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",
@@ -224,7 +241,8 @@ def _candidates_table(found: list, devices: int, profile) -> Table:
     heads = ("#", "mesh", "zero", "recompute", "sp", "mb", "pipeline", "cp", "step", "tokens/s", "MFU", "memory",
              "bubble", "bytes/rank")  # fmt: skip
     return Table(f"the best plans for {devices} {profile.name} devices", heads, rows,
-                 "predicted from the closed-form workload (meshlib.transformer); the first is compiled below")
+                 "predicted from the closed-form workload (meshlib.transformer); the first --refine that fit are "
+                 "compiled below")
 
 
 def _plan_tables(plan: Plan, *, grouped: bool) -> list:

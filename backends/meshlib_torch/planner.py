@@ -21,7 +21,8 @@ from . import models
 from .model_shapes import model_shape
 from .torch_private import pipeline_keeps_grad_buffers
 
-__all__ = ["auto_plans", "compile_candidate", "model_shape", "parallelize_call", "run_command", "torch_runtime"]
+__all__ = ["auto_plans", "compile_candidate", "model_shape", "no_fit", "parallelize_call", "refine", "run_command",
+           "torch_runtime"]
 
 
 def compile_candidate(
@@ -74,12 +75,29 @@ def _pipeline(c) -> dict:
     return {"schedule": c.schedule, "chunks": chunks, "balance": "layers"}  # the split the search priced
 
 
+def refine(found: list[Candidate], compile, *, limit: float, count: int) -> tuple[list[tuple[Candidate, Plan]], list]:
+    """The search's candidates `found` compiled in its order (`compile(candidate)` gives the full `Plan`, with its
+    prediction) until `count` fit `limit` bytes per rank by their dry run, which has the last word on memory:
+    those `(candidate, plan)` pairs, fastest first by their plans' predicted step (the closed form ranks thousands;
+    the dry run counts what the ranks run), and the `(candidate, plan)` pairs that did not fit, in order."""
+    fits, over = [], []
+    for cand in found:
+        plan = compile(cand)
+        (fits if plan.prediction.memory <= limit else over).append((cand, plan))
+        if len(fits) == count:
+            break
+    fits.sort(key=lambda cp: cp[1].prediction.step_time)  # stable: a tie keeps the search's order
+    return fits, over
+
+
 def auto_plans(
     model, /, *, devices: int, profile, batch: int, seq: int, rules=None, device_memory: float | None = None,
     top: int = 5, compile_top: int = 1, dtype: str = "bfloat16",
 ) -> tuple[list[Candidate], list[Plan]]:  # fmt: skip
-    """The search's `top` candidates for `model` and the first `compile_top` of them compiled into full plans
-    (each with its prediction). `rules`: a function of the mesh (default: a bundled model's own)."""
+    """The search's `top` candidates for `model`, and the first `compile_top` of them whose dry run fits the
+    device memory compiled into full plans, fastest first by their own predictions (`refine`): the first plan is
+    the one to run. `rules`: a function of the mesh (default: a bundled model's own). Raises ValueError when
+    none of the `top` fits by its dry run."""
     profile = device_profile(profile)
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     bundled = cfg is not None and type(cfg) in {type(c) for c in models.CONFIGS.values()}
@@ -90,12 +108,24 @@ def auto_plans(
         raise ValueError(f"auto_plans: seq={seq} is longer than the model's maximum {limit}. Fix: seq <= {limit}")
     shape = model_shape(model)
     found = search(shape, devices=devices, batch=batch, seq=seq, profile=profile, device_memory=device_memory,
-                   dtype=dtype, top=top, runtime=torch_runtime())  # fmt: skip
+                   dtype=dtype, top=top, runtime=torch_runtime(), explain=top)  # fmt: skip
     if rules is None:
         rules = lambda mesh: models.default_rules(cfg, mesh)  # noqa: E731
-    plans = [compile_candidate(model, c, rules=rules, batch=batch, seq=seq, profile=profile)
-             for c in found[:compile_top]]  # fmt: skip
-    return found, plans
+    limit = device_memory or profile.memory
+    fits, _ = refine(found, lambda c: compile_candidate(model, c, rules=rules, batch=batch, seq=seq, profile=profile),
+                     limit=limit, count=compile_top)  # fmt: skip
+    if not fits:
+        raise ValueError(no_fit(len(found), limit))
+    return found, [plan for _, plan in fits]
+
+
+def no_fit(n: int, limit: float) -> str:
+    """Why `--auto` or `auto_plans` stops: none of the search's `n` best fits by its dry run."""
+    from meshlib._table import human_bytes
+
+    return (f"none of the {n} best plans fits {human_bytes(limit)} per rank by its dry run (the closed form "
+            "underestimated their activations). Fix: more plans (--top, top=), a smaller batch or sequence, or more "
+            "devices")  # fmt: skip
 
 
 def run_command(candidate: Candidate, *, model: str, batch: int, seq: int, devices_per_node: int) -> str:
