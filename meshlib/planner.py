@@ -89,7 +89,7 @@ def search(
             "sequence, or devices with more memory"
         )
     timed = sorted(((_simulated(c, space), c) for c in ranked), key=lambda sc: _rank(sc[0]))[:top]
-    return [Candidate(c.config, c.prediction, _why(quick, space)) if i < explain else c
+    return [Candidate(c.config, c.prediction, _why(quick, space, first=i == 0)) if i < explain else c
             for i, (c, quick) in enumerate(timed)]  # fmt: skip
 
 
@@ -251,9 +251,10 @@ def _fitting(shape, mesh, b, sched, batch, seq, profile, memory, dtype, run, exh
 
 
 # -- why --------------------------------------------------------------------------------------------------
-def _why(best: Candidate, space: _Space) -> tuple[str, ...]:
+def _why(best: Candidate, space: _Space, first: bool = True) -> tuple[str, ...]:
     """Each axis and option of `best`, in the decision guide's order, with what the plan would need or lose
-    without it: the best plan the search finds with that axis or option otherwise."""
+    without it: the best plan the search finds with that axis or option otherwise (`first`: `best` is the
+    search's first, which a faster plan only trails for the axes it adds)."""
     c, t = best.config, best.prediction.step_time
     shape = space.shape
     out = [f"model state with mixed-precision Adam: {_gib(16 * shape.params())} in all (16 bytes a parameter); "
@@ -262,26 +263,26 @@ def _why(best: Candidate, space: _Space) -> tuple[str, ...]:
         out.append("recompute: not needed, the activations fit")
     else:
         alt = space.best(1, keep=lambda x: x.config.recompute == "none")
-        worse = _slower(alt[0], t) if alt else ""
+        worse = _slower(alt[0], t, first) if alt else ""
         out.append(f"recompute={c.recompute}: " + (f"the best plan without recompute ({alt[0].mesh}) is {worse}"
                                                    if alt else "no plan fits without it"))  # fmt: skip
     data = [f"{a}={n}" for a, n in (("dp", c.dp), ("cp", c.cp), ("ep", c.ep)) if n > 1] or ["dp=1"]
     over = "x".join(data)
     if c.zero:
         alt = space.best(1, keep=lambda x: x.config.zero < c.zero)
-        lower = (f"the best plan with less ZeRO ({alt[0].mesh}, ZeRO-{alt[0].config.zero}) is {_slower(alt[0], t)}"
-                 if alt else "no plan with less fits")  # fmt: skip
+        lower = (f"the best plan with less ZeRO ({alt[0].mesh}, ZeRO-{alt[0].config.zero}) is "
+                 f"{_slower(alt[0], t, first)}" if alt else "no plan with less fits")  # fmt: skip
         out.append(f"ZeRO-{c.zero} over the data ranks ({over}): {_gib(best.prediction.memory)} per rank; {lower}")
     else:
         out.append(f"data ranks {over}, ZeRO-0 (the model state fits whole): {_gib(best.prediction.memory)} per rank")
     for axis in ("tp", "pp", "ep", "cp"):
-        out.append(_axis_line(axis, c, t, space))
+        out.append(_axis_line(axis, c, t, space, first))
     return tuple(out)
 
 
-def _slower(alt: Candidate, t: float) -> str:
+def _slower(alt: Candidate, t: float, first: bool = True) -> str:
     gap = alt.prediction.step_time / t - 1
-    if -SIMPLER < gap < 0:  # ranked below for its extra axis: faster by less than `SIMPLER` an axis
+    if gap < 0 and first:  # ranked below the first for its extra axes: faster by less than `SIMPLER` an axis
         return f"{-gap:.1%} faster, less than the {SIMPLER:.0%} per axis an extra axis must gain"
     if gap < 0:  # explaining a plan the closed form ranks below the first (`search(explain=)`)
         return f"{-gap:.1%} faster by the closed form" if gap > -0.1 else f"{-gap:.0%} faster by the closed form"
@@ -292,7 +293,7 @@ def _gib(n: float) -> str:
     return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:,.1f} MiB"
 
 
-def _axis_line(axis: str, c: StepConfig, t: float, space: _Space) -> str:
+def _axis_line(axis: str, c: StepConfig, t: float, space: _Space, first: bool = True) -> str:
     n = getattr(c, axis)
     if axis == "ep" and not space.shape.experts:
         return "ep: not a mixture-of-experts model"
@@ -302,9 +303,9 @@ def _axis_line(axis: str, c: StepConfig, t: float, space: _Space) -> str:
         if not alt:
             return f"{axis}={n}: no plan with less {axis} fits"
         return (f"{axis}={n}: the best plan with {axis}={getattr(alt[0].config, axis)} ({alt[0].mesh}) is "
-                f"{_slower(alt[0], t)}")  # fmt: skip
+                f"{_slower(alt[0], t, first)}")  # fmt: skip
     alt = space.best(1, mesh=lambda m: m[index] > 1)
     if not alt:
         return f"{axis}: not needed (no plan with {axis} > 1 fits or divides)"
     return (f"{axis}: not needed; the best plan with {axis}={getattr(alt[0].config, axis)} ({alt[0].mesh}) is "
-            f"{_slower(alt[0], t)}")  # fmt: skip
+            f"{_slower(alt[0], t, first)}")  # fmt: skip
