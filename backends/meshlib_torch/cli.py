@@ -75,7 +75,7 @@ def _seq(args, cap: int | None = None) -> int:
     if _own(args):
         return args.seq or _USER_SEQ
     cfg = models.config(args.model)
-    limit = getattr(cfg, "block_size", None) or cfg.max_seq_len
+    limit = models.max_seq_len(cfg)
     seq = args.seq or (min(limit, cap) if cap else limit)
     if seq > limit:
         raise ValueError(f"--seq {seq} is longer than {args.model}'s maximum {limit}")

@@ -103,7 +103,7 @@ def auto_plans(
     bundled = cfg is not None and type(cfg) in {type(c) for c in models.CONFIGS.values()}
     if rules is None and not bundled:
         raise ValueError("auto_plans: give rules= (a function of the mesh) for a model that is not bundled")
-    limit = (getattr(cfg, "block_size", None) or cfg.max_seq_len) if bundled else None
+    limit = models.max_seq_len(cfg) if bundled else None
     if limit is not None and seq > limit:  # before the search: its plans would fail to compile
         raise ValueError(f"auto_plans: seq={seq} is longer than the model's maximum {limit}. Fix: seq <= {limit}")
     shape = model_shape(model)

@@ -144,9 +144,19 @@ def fit_memory(rows, numel: int = 1 << 22) -> tuple[float, float]:
     16 MiB is a mid-size run's activation: past the caches (three such tensors), below glibc's threshold
     for mapping each new tensor afresh (32 MiB; above it every fresh tensor pays page faults)."""
     size = max(n for _, n, *_ in rows if n <= numel)
-    rate = {op: nbytes / t for op, n, t, _, nbytes in rows if n == size}
-    peak = max(rate["copy"], rate["add_out"])
+    rate = _rates(rows, size)
+    peak = _streaming(rate)
     return peak, min(1.0, statistics.median(rate[op] for op in ("add", "mul", "scale")) / peak)
+
+
+def _rates(rows, size: int) -> dict[str, float]:
+    """Bytes per second of each elementwise op on tensors of `size` elements (fastest batch)."""
+    return {op: nbytes / t for op, n, t, _, nbytes in rows if n == size}
+
+
+def _streaming(rate: dict[str, float]) -> float:
+    """The best streaming rate: copy or add into kept tensors."""
+    return max(rate["copy"], rate["add_out"])
 
 
 def fit_cache(rows, cache: int) -> tuple[int, float]:
@@ -157,8 +167,7 @@ def fit_cache(rows, cache: int) -> tuple[int, float]:
     sizes = [n for _, n, *_ in rows if 3 * 4 * n <= cache]  # fp32 elements
     if not sizes or cache <= 0:
         return 0, 0.0
-    size = max(sizes)
-    return cache, max(nbytes / t for op, n, t, _, nbytes in rows if n == size and op in ("copy", "add_out"))
+    return cache, _streaming(_rates(rows, max(sizes)))
 
 
 def fit_model_memory(model: dict, profile: DeviceProfile) -> float | None:

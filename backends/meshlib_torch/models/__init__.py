@@ -73,6 +73,11 @@ def config(name: str, **overrides):
     return cfg
 
 
+def max_seq_len(cfg) -> int:
+    """The longest sequence a bundled model's config takes (GPT's learned positions, the others' rotary table)."""
+    return getattr(cfg, "block_size", None) or cfg.max_seq_len
+
+
 def build(name_or_cfg, *, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32, **overrides):
     """A bundled model, by name or config, on `device` (meta: shapes only)."""
     cfg = config(name_or_cfg, **overrides) if isinstance(name_or_cfg, str) else name_or_cfg
@@ -83,7 +88,7 @@ def build(name_or_cfg, *, device: str | torch.device = "meta", dtype: torch.dtyp
 
 __all__ = [
     "CONFIGS", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MoE", "MoEConfig", "MoETransformer", "OpsConfig",
-    "OpsModel", "build", "config", "model_class", "update_balancing_bias",
+    "OpsModel", "build", "config", "max_seq_len", "model_class", "update_balancing_bias",
 ]  # fmt: skip
 
 

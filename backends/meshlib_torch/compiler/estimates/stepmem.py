@@ -119,12 +119,14 @@ def optimizer_compute(compiled: Compiled, names=None) -> Compute:
         opt = torch.optim.AdamW([p], foreach=False)
         opt.step()  # makes the state
         counter = OpCounter()
-        with counter:
+        with PeakTracker() as tracker, counter:  # one step: its traffic, and the temporaries it makes
+            tracker.baseline([p, p.grad, *opt.state[p].values()])
+            base = tracker.live
             opt.step()
         c = counter.computes().get("forward", Compute())
         state = sum(v.nbytes for v in opt.state[p].values() if v.numel() == n)  # not the step count
         once = min(c.bytes, (p.nbytes + p.grad.nbytes + state) + (p.nbytes + state))
-        held = p.nbytes + p.grad.nbytes + state + _update_peak([n], full)
+        held = p.nbytes + p.grad.nbytes + state + tracker.peak - base  # those and the update's temporaries
         out = out + Compute(c.matmuls, c.flops, once, c.ops, ((held, c.bytes - once),)).scaled(k)
     return out
 
