@@ -101,7 +101,7 @@ def _stage(plan: Plan, r: int, m: int) -> StageWork:
             continue  # the boundary's activations: the pipeline's sends (`send`)
         if c.op in (GRAD_SYNC, PARAM_GATHER):
             overlap = "backward" if c.op == GRAD_SYNC else ("forward" if c.phase != "optimizer" else "none")
-            if c.reason.startswith("zero-1"):  # the optimizer step moves them, after backward (`MeshOptimizer`)
+            if c.reason.startswith("zero-1") and c.phase != "backward":  # in the optimizer step, after backward
                 overlap = "none"
             step.append(Comm(c.kind, c.axes, c.bytes, c.phase, c.count, overlap))
             fsdp = c.reason in ("zero-2", "zero-3") and c.kind in ("all_gather", "reduce_scatter")

@@ -44,6 +44,7 @@ __all__ = [
 RECOMPUTE_MODES = ("none", "selective", "block")
 CP_METHODS = ("ring", "all-gather", "all-to-all")
 TP_OVERLAPS = ("none", "backward", "all")
+ZERO1_OVERLAPS = ("all", "backward", "none")
 ITEMSIZE = _work.ITEMSIZE
 
 
@@ -204,9 +205,11 @@ class StepConfig:
       fused scale-mask-softmax, every product computed whole);
     - `dp_overlap`: gradient reductions run while backward still computes (bucketed DDP, FSDP) and ZeRO's
       parameter gathers are prefetched; False: they run after the pipeline flushes (Megatron-LM 2021-22);
-    - `zero1_overlap`: with `dp_overlap`, ZeRO-1's reduce-scatters run behind backward and its gathers
-      behind the next forward (Megatron's distributed optimizer); False: both in the optimizer step, after
-      backward (meshlib's runtime);
+    - `zero1_overlap`: with `dp_overlap`, "all": ZeRO-1's reduce-scatters run behind backward and its
+      gathers behind the next forward (Megatron's distributed optimizer, `overlap_grad_reduce` and
+      `overlap_param_gather`); "backward": the reduce-scatters behind the last microbatch's backward where
+      no pipeline runs, the gathers in the optimizer step, and each rank holds its summed pieces beside
+      the gradients from backward's end into the step (meshlib's runtime); "none": both in the step;
     - `tp_overlap`: "none"; "backward": Megatron's asynchronous input-gradient collective, hidden behind the
       weight-gradient product of the same linear (and sequence parallelism's re-gather behind the
       input-gradient product); "all": every tensor-parallel collective behind a matrix product;
@@ -243,7 +246,7 @@ class StepConfig:
     dtype: str = "bfloat16"
     flash: bool = True
     dp_overlap: bool = True
-    zero1_overlap: bool = True
+    zero1_overlap: str = "all"
     tp_overlap: str = "none"
     reduce_dtype: str = "float32"
     main_grads: bool = True
@@ -256,7 +259,7 @@ class StepConfig:
         problems = _positive(self, ("dp", "tp", "pp", "ep", "cp", "microbatch", "chunks"))
         choices = {"recompute": RECOMPUTE_MODES, "cp_method": CP_METHODS, "tp_overlap": TP_OVERLAPS,
                    "dtype": tuple(ITEMSIZE), "reduce_dtype": tuple(ITEMSIZE), "zero": (0, 1, 2, 3),
-                   "recv_buffers": (0, 1, 2)}  # fmt: skip
+                   "recv_buffers": (0, 1, 2), "zero1_overlap": ZERO1_OVERLAPS}  # fmt: skip
         problems += [f"{k}={getattr(self, k)!r}: use one of {v}" for k, v in choices.items()
                      if getattr(self, k) not in v]  # fmt: skip
         if self.sp and self.tp == 1:
@@ -477,6 +480,9 @@ def _update(shape: ModelShape, c: StepConfig, dense: int, moe: int, params: tupl
     shards = (c.dp * c.cp * c.ep, c.dp * c.cp)
     stepped = sum(p / (n if c.zero else 1) for p, n in zip(params, shards))
     copies = 4 * stepped if ITEMSIZE[c.dtype] < 4 and c.zero < 2 else 0.0
+    if _comm.zero1_in_backward(c):  # the reduce-scattered pieces, held from backward's end (the copies, in fp32)
+        pieces = ITEMSIZE[c.reduce_dtype] * stepped
+        copies = max(copies, pieces) if ITEMSIZE[c.reduce_dtype] == 4 else copies + pieces
     largest = _work.largest_tensor(shape, c, dense, moe, embed=first, head=last)
     return copies + 8 * largest / (shards[0] if c.zero else 1)
 

@@ -119,9 +119,9 @@ def _axes(c, *names: str) -> tuple[str, ...]:
 def step_comm(params: tuple[float, float], c, m: int, *, tied: bool, embed_bytes: float) -> tuple[Comm, ...]:
     """Per-step gradient sync and ZeRO's gathers for a rank holding `params` (outside, inside the experts)."""
     g, e = ITEMSIZE[c.reduce_dtype], ITEMSIZE[c.dtype]
-    overlaps = c.dp_overlap and (c.zero != 1 or c.zero1_overlap)
-    behind = "backward" if overlaps else "none"
-    prefetch = "forward" if overlaps else "none"
+    overlaps = c.dp_overlap and c.zero != 1
+    behind = "backward" if overlaps or zero1_in_backward(c) else "none"
+    prefetch = "forward" if overlaps or (c.zero == 1 and c.dp_overlap and c.zero1_overlap == "all") else "none"
     out: list[Comm] = []
     for count, axes in ((params[0], _axes(c, "dp", "cp", "ep")), (params[1], _axes(c, "dp", "cp"))):
         if not count or not axes:
@@ -137,6 +137,13 @@ def step_comm(params: tuple[float, float], c, m: int, *, tied: bool, embed_bytes
     if tied:
         out.append(Comm("send_recv", ("pp",), embed_bytes * g, "backward"))
     return tuple(out)
+
+
+def zero1_in_backward(c) -> bool:
+    """Whether ZeRO-1's reduce-scatters run behind backward (`StepConfig.zero1_overlap`): always with
+    Megatron's distributed optimizer, and without a pipeline in meshlib's runtime."""
+    overlap = c.zero1_overlap
+    return c.zero == 1 and c.dp_overlap and (overlap == "all" or (overlap == "backward" and c.pp == 1))
 
 
 def model_state(params: tuple[float, float], c) -> float:

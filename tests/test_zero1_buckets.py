@@ -82,10 +82,13 @@ def _step_extra(run: RunConfig) -> int:
     state = list(par.parameters()) + list(par.buffers()) + list(opt.master.values())
     state += [t for s in opt.inner.state.values() for t in s.values() if torch.is_tensor(t)]
     state += [p.grad for p in par.parameters() if p.grad is not None]
+    pieces = list((opt.buckets.landed or {}).values())  # reduce-scattered behind backward: held into the step
+    assert len(pieces) == len(opt.buckets.shapes)
     with PeakTracker() as tracker:
         tracker.baseline(state)
         base = tracker.live
-        del state  # the tracker sees a gradient freed once nothing holds it
+        tracker.baseline(pieces)
+        del state, pieces  # the tracker sees a gradient freed once nothing holds it
         opt.step()
     return tracker.peak - base
 
@@ -128,3 +131,65 @@ def _step_extra_small(run: RunConfig) -> int:
         return _step_extra(run)
     finally:
         _restore(saved)
+
+
+def _ways(run: RunConfig) -> dict:
+    """One update of fresh copies of `run`'s model, its gradients summed in different ways: per way, the
+    reduce-scatters issued by the time backward returned and in the step (by phase), and the parameters
+    after it."""
+    import torch
+
+    from meshlib_torch.runtime.comm import CommCounter
+    from meshlib_torch.testing.parity import batch_of, build_parallel
+
+    def way(sync: bool, backwards: int = 1, clip: bool = False):
+        par = build_parallel(run)
+        opt = par.optimizer(lr=1e-2)
+        issued = []
+
+        class Log(CommCounter):
+            def record(self, phase, kind, axis, nbytes, where):
+                if where == "zero-1" and kind == "reduce_scatter":
+                    issued.append(phase)
+
+        opt.buckets.counter = Log()
+        par.set_gradient_sync(sync)
+        for i in range(backwards):
+            par(*batch_of(run, i)).backward()
+        in_backward, landed = list(issued), len(opt.buckets.landed or {})
+        par.set_gradient_sync(True)
+        if clip:  # torch's own clipping, on every parameter's (Partial) gradient, in place
+            torch.nn.utils.clip_grad_norm_(list(par.parameters()), 1e-3)
+        opt.step()
+        after = {n: p.detach().full_tensor().clone() for n, p in par.named_model_parameters().items()}
+        return {"backward": in_backward, "step": issued[len(in_backward) :], "landed": landed,
+                "buckets": len(opt.buckets.buckets), "split": len(opt.buckets.shapes), "params": after}  # fmt: skip
+
+    return {
+        "overlap": way(True), "in_step": way(False), "clip": way(True, clip=True), "clip_in_step": way(False, clip=True),
+        "accumulate": way(True, backwards=2), "accumulate_in_step": way(False, backwards=2),
+    }  # fmt: skip
+
+
+@pytest.mark.ranks
+def test_the_reduce_scatters_run_behind_backward_and_the_step_applies_them_only_while_the_gradients_are_unchanged():
+    """With gradient sync on, every bucket's reduce-scatter is issued before backward returns and lands there
+    (each split parameter's piece), and the step issues none; with it off, the step issues them all. Where
+    the gradients changed after backward (torch's `clip_grad_norm_` scaled them in place; a second backward
+    added to them, each one reduce-scattering again), the step reduce-scatters afresh. Each update equals
+    the one whose sums all ran in the step, to the bit."""
+    import torch
+
+    for got in get_pool(2).run(_ways, RunConfig(model="llama-tiny", mesh="dp=2", zero=1, dtype="float32")):
+        n = got["overlap"]["buckets"]
+        assert n >= 1 and got["overlap"]["landed"] == got["overlap"]["split"]
+        assert (got["overlap"]["backward"], got["overlap"]["step"]) == (["backward"] * n, [])
+        assert (got["in_step"]["backward"], got["in_step"]["step"]) == ([], ["optimizer"] * n)
+        assert (got["clip"]["backward"], got["clip"]["step"]) == (["backward"] * n, ["optimizer"] * n)
+        assert (got["accumulate"]["backward"], got["accumulate"]["step"]) == (["backward"] * 2 * n, [])
+        for a, b in (("overlap", "in_step"), ("clip", "clip_in_step"), ("accumulate", "accumulate_in_step")):
+            assert got[a]["params"].keys() == got[b]["params"].keys()
+            assert all(torch.equal(got[a]["params"][k], got[b]["params"][k]) for k in got[a]["params"]), (a, b)
+        assert not all(
+            torch.equal(got["overlap"]["params"][k], got["clip"]["params"][k]) for k in got["clip"]["params"]
+        )  # the clipping did change the update

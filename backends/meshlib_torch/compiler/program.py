@@ -336,6 +336,13 @@ def zero1_pieces(compiled: Compiled) -> dict[str, int | None]:
     return out
 
 
+def zero1_in_backward(compiled: Compiled) -> bool:
+    """Whether ZeRO-1's reduce-scatters run behind backward (`zero1_buckets.Zero1Buckets.watch`: the
+    backward of the last microbatch, gradient sync on), not in the optimizer step: without a pipeline,
+    whose schedule runs every microbatch's backward with the sync off."""
+    return compiled.options.zero == 1 and bool(compiled.data_axes) and not compiled.pipelined
+
+
 def zero1_args(compiled: Compiled, name: str) -> tuple:
     """What ZeRO-1's cut of parameter `name` is decided by (`placements.zero1_split`, `zero1_shard_dim`): its
     local shape, its `shard_ranks`, its layout, the dims another axis cuts unevenly and the number of data
@@ -349,5 +356,5 @@ def zero1_args(compiled: Compiled, name: str) -> tuple:
 __all__ = [
     "Compiled", "EagerStages", "OneGraph", "Program", "TracedStages", "buffer_dtype", "check_zero", "data_axes",
     "default_in_spec", "deferred_loss", "fsdp_whole", "input_layouts", "model_state", "persistent_buffers",
-    "sequence_length", "shard_axes", "shard_ranks", "zero1_args", "zero1_pieces",
+    "sequence_length", "shard_axes", "shard_ranks", "zero1_args", "zero1_in_backward", "zero1_pieces",
 ]  # fmt: skip

@@ -8,18 +8,28 @@ own pieces, summed, and one all-gather of each rank's pieces, side by side, rebu
 The buckets are `buckets.grad_buckets`'s, on the padded bytes each gradient moves; at most
 `Buckets.INFLIGHT` are in flight at once.
 
+The reduce-scatters run behind backward where they can (`watch`), as Megatron's distributed optimizer
+runs them: a bucket starts once its gradients are in and every bucket before it has started, while
+gradient sync is on (the last microbatch). The gradients stay (`p.grad`, which clipping reads), and this
+rank's summed pieces land beside them when backward ends, G/dp more bytes held into the step. The step
+applies the pieces only while every gradient is the tensor they were cut from, unchanged since (its
+version counters, the check autograd makes on the tensors it saves, and its sum and sum of squares,
+which see the writes those miss); else, and where nothing ran in backward (sync off, a pipeline's
+schedule), it reduce-scatters in the step.
+
 One class serves the runtime (`runtime.zero1.Zero1Sync` issues the collectives) and the plan
-(`estimates.stepmem` runs it on meta tensors, the collectives allocating what gloo allocates), so the
-memory the plan charges is what the step holds, as `Buckets` does for ZeRO-0.
+(`estimates.stepmem` and `estimates.dryrun` run it on meta tensors, the collectives allocating what gloo
+allocates), so the memory the plan charges is what the step holds, as `Buckets` does for ZeRO-0.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
 
-from ..torch_private import local_tensor
+from ..torch_private import at_backward_end, local_tensor, version
 from .buckets import InFlight, grad_buckets
 from .placement.placements import chunk_rows
 
@@ -68,7 +78,8 @@ def zero1_entries(shapes: dict[str, tuple[int, ...]], dims: dict[str, int], grou
 class Zero1Buckets:
     """Reduce-scatter the gradients and all-gather the updated pieces of the parameters ZeRO-1 splits
     (`shapes`: each one's local shape, `dims`: the dim it is cut along, `groups`: its `DataGroup`), in
-    buckets, gradients summed in `reduce_dtype`. `scatter` and `gather` start the collectives."""
+    buckets, gradients summed in `reduce_dtype`. `scatter` and `gather` start the collectives (`phase`:
+    "backward" from `watch`'s hooks, "optimizer" from the step)."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], dims: dict[str, int], groups: dict[str, DataGroup],
                  reduce_dtype: torch.dtype):  # fmt: skip
@@ -82,8 +93,14 @@ class Zero1Buckets:
                 pieces.append(_Piece(name, offset, d, shape[d], tuple(shape)))
                 offset += _numel(shape)
             self.buckets.append(Zero1Bucket(groups[names[0]], pieces, offset))
+        self.enabled = True  # `watch`'s hooks start the reduce-scatters (gradient sync on)
+        self.landed: dict[str, torch.Tensor] | None = None  # the last backward's pieces, until `take`
+        self._params: dict[str, torch.Tensor] = {}
+        self._stamps: dict[str, tuple | None] = {}  # per gradient packed in backward: what it was then
+        self._ready, self._next, self._waiting = [0] * len(self.buckets), 0, False
+        self._running = InFlight(lambda b, buf, mine, work, had: self._took(b, mine, work, had, self.landed))
 
-    def scatter(self, mine: torch.Tensor, buf: torch.Tensor, bucket: Zero1Bucket):
+    def scatter(self, mine: torch.Tensor, buf: torch.Tensor, bucket: Zero1Bucket, phase: str):
         """Start reduce-scattering `buf` (every rank's part, side by side) into `mine`; what `.wait()`s for it."""
         raise NotImplementedError
 
@@ -100,22 +117,81 @@ class Zero1Buckets:
         running = InFlight(lambda b, buf, mine, work, had: self._took(b, mine, work, had, out))
         for b in self.buckets:
             running.make_room()
-            n, first = b.group.size, local_tensor(params[b.pieces[0].name])
-            buf = torch.empty(n, b.numel, dtype=self.reduce_dtype, device=first.device)
-            had = set()
-            for piece in b.pieces:
-                region = buf[:, piece.offset : piece.offset + _numel(piece.shape)].view(n, *piece.shape)
-                p = params[piece.name]
-                grad = None if p.grad is None else local_tensor(p.grad)
-                _scatter_rows(region, grad, piece, self.shapes[piece.name][piece.dim])
-                if grad is not None:
-                    had.add(piece.name)
-                p.grad = grad = None
-            mine = torch.empty(b.numel, dtype=self.reduce_dtype, device=first.device)
-            running.add(b, buf, mine, self.scatter(mine, buf.view(-1), b), had)  # its input held until it lands
+            buf, mine, had = self._pack(b, params, free=True)
+            running.add(b, buf, mine, self.scatter(mine, buf.view(-1), b, "optimizer"), had)  # held until it lands
             del buf
         running.drain()
         return out
+
+    def _pack(self, b: Zero1Bucket, params, free: bool) -> tuple[torch.Tensor, torch.Tensor, set]:
+        """A bucket's input (every rank's pieces of its gradients, side by side), its output and the names
+        of the gradients it holds (`free`: each freed once copied in)."""
+        n, first = b.group.size, local_tensor(params[b.pieces[0].name])
+        buf = torch.empty(n, b.numel, dtype=self.reduce_dtype, device=first.device)
+        had = set()
+        for piece in b.pieces:
+            region = buf[:, piece.offset : piece.offset + _numel(piece.shape)].view(n, *piece.shape)
+            p = params[piece.name]
+            grad = None if p.grad is None else local_tensor(p.grad)
+            _scatter_rows(region, grad, piece, self.shapes[piece.name][piece.dim])
+            if grad is not None:
+                had.add(piece.name)
+            if free:
+                p.grad = grad = None
+        return buf, torch.empty(b.numel, dtype=self.reduce_dtype, device=first.device), had
+
+    # -- behind backward -------------------------------------------------------------------------------
+    def watch(self, params: dict[str, torch.Tensor]) -> list:
+        """Reduce-scatter in backward while `enabled`: a bucket starts once every gradient in it is in and
+        every bucket before it has started; at backward's end the rest start (a parameter backward did not
+        reach sums zeros) and all land in `landed`. Gradients are kept. Returns the hooks' handles."""
+        self._params = params
+        me = weakref.ref(self)  # the parameters' hooks must not keep dropped buckets (and their pieces) alive
+        of = {piece.name: i for i, b in enumerate(self.buckets) for piece in b.pieces}
+        return [
+            params[n].register_post_accumulate_grad_hook(lambda _, i=of[n]: me() is not None and me()._arrived(i))
+            for n in self.shapes
+        ]
+
+    def _arrived(self, i: int) -> None:
+        if not self.enabled:
+            return
+        if not self._waiting:
+            self._waiting, self.landed, self._stamps = True, {}, {}
+            at_backward_end(self._backward_end)
+        self._ready[i] += 1
+        while self._next < len(self.buckets) and self._ready[self._next] >= len(self.buckets[self._next].pieces):
+            self._start(self.buckets[self._next])
+
+    def _start(self, b: Zero1Bucket) -> None:
+        self._running.make_room()
+        buf, mine, had = self._pack(b, self._params, free=False)
+        for piece in b.pieces:
+            self._stamps[piece.name] = _stamp(self._params[piece.name].grad)
+        self._running.add(b, buf, mine, self.scatter(mine, buf.view(-1), b, "backward"), had)
+        self._next += 1
+
+    def _backward_end(self) -> None:
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+        self._running.drain()
+        self._ready, self._next, self._waiting = [0] * len(self.buckets), 0, False
+
+    def take(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The pieces the last backward reduce-scattered (as `reduce_scatter` returns them), each gradient
+        then freed; None where none landed or a gradient changed since (clipped, accumulated into, cleared):
+        the step then reduce-scatters them as they are."""
+        landed, stamps = self.landed, self._stamps
+        self.discard()
+        if landed is None or not all(_unchanged(params[n].grad, s) for n, s in stamps.items()):
+            return None
+        for n in self.shapes:
+            params[n].grad = None
+        return landed
+
+    def discard(self) -> None:
+        """Drop the pieces the last backward left (a new step starts)."""
+        self.landed, self._stamps = None, {}
 
     def _took(self, b: Zero1Bucket, mine: torch.Tensor, work, had: set, out) -> None:
         work.wait()
@@ -149,6 +225,33 @@ class Zero1Buckets:
         for piece in b.pieces:
             region = parts[:, piece.offset : piece.offset + _numel(piece.shape)].view(n, *piece.shape)
             _gather_rows(targets[piece.name], region, piece, n)
+
+
+def _stamp(grad: torch.Tensor | None) -> tuple | None:
+    """What a gradient is: the tensor itself, its version counters (a DTensor's own and its local tensor's:
+    an in-place op through the DTensor bumps only the first, one on the local tensor only the second) and
+    its sum and sum of squares, as the reduce-scatter read it. The sums are there because the version
+    counters miss some writes: torch's foreach ops on a DTensor, as `clip_grad_norm_` scales gradients,
+    bump neither (torch 2.13), and writes through `.data` bump none by design."""
+    if grad is None:
+        return None
+    local = local_tensor(grad)
+    return weakref.ref(grad), weakref.ref(local), version(grad), version(local), _sums(local)
+
+
+def _sums(t: torch.Tensor) -> torch.Tensor:
+    wide = torch.float64 if t.device.type == "cpu" else torch.float32
+    return torch.stack([t.sum(dtype=wide), torch.linalg.vector_norm(t, dtype=wide)])
+
+
+def _unchanged(grad: torch.Tensor | None, stamp: tuple | None) -> bool:
+    """Whether `grad` is the gradient `stamp` was taken of, not written to since."""
+    if grad is None or stamp is None:
+        return grad is None and stamp is None
+    was, was_local, v, v_local, sums = stamp
+    local = local_tensor(grad)
+    same = was() is grad and was_local() is local and (version(grad), version(local)) == (v, v_local)
+    return same and torch.equal(_sums(local), sums)
 
 
 def _numel(shape) -> int:

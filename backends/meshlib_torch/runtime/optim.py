@@ -39,8 +39,10 @@ class MeshOptimizer(torch.optim.Optimizer):
     The optimizer class (`optimizer`, default AdamW) and its arguments (`options`) are the user's. It
     updates each parameter's master where there is one (a bf16/fp16 parameter's fp32 copy, or ZeRO-1's
     shard of it), so its state is sharded exactly as the masters are; the updated master is copied or
-    all-gathered back into the parameter. Under ZeRO-1 `step` frees the gradient of each parameter it
-    splits once it is reduce-scattered (`.grad` is None after it), as FSDP2 frees an unsharded gradient.
+    all-gathered back into the parameter. Under ZeRO-1 the gradients are reduce-scattered behind backward
+    while gradient sync is on (`Parallel.set_gradient_sync`; `Zero1Sync.watch`), or else in the step, and
+    `step` frees the gradient of each parameter it splits (`.grad` is None after it), as FSDP2 frees an
+    unsharded gradient.
     `reduce_gradients` (which clipping calls) runs that summing ahead of the step; a backward run between
     it and the step is refused at the step, as its gradients would not be in the sums applied.
     This is a `torch.optim.Optimizer` whose `param_groups` and `state` are the inner optimizer's, so
@@ -92,6 +94,8 @@ class MeshOptimizer(torch.optim.Optimizer):
         for name, p in params.items():  # those it copies into a master, or reduce-scatters and frees
             if name in self.master and p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda _, name=name: me() is not None and me()._arrived(name))
+        if self.buckets is not None:  # ZeRO-1's reduce-scatters behind backward, while gradient sync is on
+            self.buckets.watch({n: params[n] for n in self.buckets.shapes})
 
     def _spread(self, name: str) -> bool:
         """Whether ZeRO-1 spreads this parameter's state over more than one rank."""
@@ -133,6 +137,8 @@ class MeshOptimizer(torch.optim.Optimizer):
     # -- the step -------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._ready, self._late = None, set()
+        if self.buckets is not None:
+            self.buckets.discard()
         for p in self.params.values():
             p.grad = None
         for m in self.master.values():
@@ -209,10 +215,13 @@ class MeshOptimizer(torch.optim.Optimizer):
     def _reduce_scatter(self) -> dict[str, torch.Tensor]:
         """This rank's piece of each split parameter's summed gradient (`Zero1Sync`, which frees the
         parameter's own gradient once its bucket holds it): where backward made none, none; the pieces'
-        padding moves too and is counted."""
+        padding moves too and is counted. Those the last backward reduce-scattered, while its gradients are
+        unchanged since (`Zero1Sync.take`); else they are reduce-scattered now."""
         if self.buckets is None:
             return {}
-        return self.buckets.reduce_scatter({n: self.params[n] for n in self.buckets.shapes})
+        params = {n: self.params[n] for n in self.buckets.shapes}
+        landed = self.buckets.take(params)
+        return landed if landed is not None else self.buckets.reduce_scatter(params)
 
     # -- state ------------------------------------------------------------------------------------------
     def state_bytes(self) -> int:

@@ -14,6 +14,7 @@ gradients over the data-parallel axes once per step.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,8 @@ class Parallel(nn.Module):
         self._coords = compiled.mesh.coords(dist.get_rank())
         self.pipeline = None  # a `PipelineRun`, with a pipeline axis
         self.grad_sync = None  # a `GradSync` over what the data axes sum
+        self._sync = True  # `set_gradient_sync`'s
+        self._zero1 = weakref.WeakSet()  # the `Zero1Sync`s of this model's optimizers (their reduce-scatters)
         self.loss_sum = None  # a `LossSum`: the loss's sum over a data axis, run beside backward
         self.target_counts = []  # `TargetCounts`: losses that count their targets from the whole batch
         self.fsdp_units: list[nn.Module] = []
@@ -189,7 +192,12 @@ class Parallel(nn.Module):
         return float(self.loss_sum(total) if self.loss_sum is not None else total)
 
     def set_gradient_sync(self, enabled: bool) -> None:
-        """Gradient accumulation: sum gradients over the data-parallel axes only when enabled."""
+        """Gradient accumulation: sum gradients over the data-parallel axes only when enabled (in the backward
+        that sums: ZeRO-0's all-reduces, ZeRO-1's reduce-scatters, ZeRO-2/3's; ZeRO-1 reduce-scatters in the
+        optimizer step where no backward did)."""
+        self._sync = enabled
+        for buckets in self._zero1:
+            buckets.enabled = enabled
         if self.grad_sync is not None:
             self.grad_sync.enabled = enabled
         if self.fsdp_units:
@@ -208,6 +216,9 @@ class Parallel(nn.Module):
             reduce_dtype=getattr(torch, c.options.precision.reduce), order=list(c.traced.params), **options,
         )  # fmt: skip
         self.fp32_init = {}  # the optimizer owns the masters now
+        if opt.buckets is not None:
+            opt.buckets.enabled = self._sync
+            self._zero1.add(opt.buckets)
         if c.plan.precision.param == "float16":
             opt.scaler = LossScaler()
         return opt

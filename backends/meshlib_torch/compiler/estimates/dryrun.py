@@ -33,9 +33,17 @@ from ..capture.blocks import layer_paths, split_graph
 from ..pipeline.stages import boundary_values, rank_params
 from ..placement.placements import sync_axes
 from ..placement.shapes import local_shape
-from ..program import Compiled, buffer_dtype, fsdp_whole, model_state, shard_ranks, zero1_pieces
+from ..program import (
+    Compiled,
+    buffer_dtype,
+    fsdp_whole,
+    model_state,
+    shard_ranks,
+    zero1_in_backward,
+    zero1_pieces,
+)  # fmt: skip
 from .opcount import OpCounter
-from .stepmem import optimizer_compute, step_extra
+from .stepmem import dry_zero1, optimizer_compute, step_extra
 
 
 class _DryCollective(torch.autograd.Function):
@@ -151,6 +159,9 @@ def dry_peak(compiled: Compiled, model: nn.Module, *, batch: tuple) -> dict[str,
         if opts.zero == 0 and compiled.data_axes:  # ZeRO-0's buckets, held while they are summed
             reduce, order = getattr(torch, opts.precision.reduce), list(compiled.traced.params)
             hooks.append(_DryBuckets(params, _sync_groups(compiled, params), reduce, order))
+        zero1 = dry_zero1(compiled) if zero1_in_backward(compiled) else None
+        if zero1 is not None:  # ZeRO-1's reduce-scatters behind backward: their buffers and pieces
+            hooks += zero1.watch({n: params[n] for n in zero1.shapes})
         local = [local_input(compiled, name, x) for name, x in zip(compiled.input_names, batch)]
         with OpCounter() as counter:
             with keeping_shards():

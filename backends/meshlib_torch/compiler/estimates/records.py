@@ -146,11 +146,14 @@ GRAD_SYNC, PARAM_GATHER = "grad sync", "param gather"  # ZeRO-2/3 gather paramet
 def dp_collectives(
     traced: Traced, layouts, axes: Axes, data: tuple[str, ...], options: Parallelism, synced, *,
     names=None, pp_rank: int = -1, gathers: int = 1, whole=frozenset(), level: int | None = None,
+    scatter_phase: str = "backward",
 ) -> list[Collective]:  # fmt: skip
     """The data-parallel traffic of one step for the parameters in `names` (all by default), on the
     ranks at pp coordinate `pp_rank`; ZeRO-2/3's parameter all-gathers happen `gathers` times, and
     the gradients of what FSDP2 leaves `whole` are all-reduced. `level`: the ZeRO level whose
-    traffic it is, when not the plan's (ZeRO-3 in pipeline stages moves as ZeRO-2 does)."""
+    traffic it is, when not the plan's (ZeRO-3 in pipeline stages moves as ZeRO-2 does). `scatter_phase`:
+    where ZeRO-1's reduce-scatters run (`program.zero1_in_backward`): "backward", or "optimizer" (the step,
+    after a pipeline's schedule)."""
     records, bucketed, pieces = [], [], []
     sizes = dict(zip(axes.names, axes.sizes))
     param_b, reduce_b = (
@@ -201,7 +204,7 @@ def dp_collectives(
     for over, names, nbytes in grad_buckets(pieces):
         group, why = math.prod(sizes[a] for a in over), f"zero-1: a bucket of {len(names)}"
         gathered = nbytes // reduce_b * param_b  # the updated pieces, in the parameters' dtype
-        for kind, phase, size in (("reduce_scatter", "backward", nbytes), ("all_gather", "optimizer", gathered)):
+        for kind, phase, size in (("reduce_scatter", scatter_phase, nbytes), ("all_gather", "optimizer", gathered)):
             records.append(
                 Collective(kind, over, size, names[0], GRAD_SYNC, "", why, phase, 1, group, names[-1], pp_rank)
             )

@@ -21,33 +21,26 @@ from meshlib import Compute
 
 from ...memtrack import PeakTracker
 from ..placement.placements import zero1_shard_dim
-from ..program import Compiled, shard_axes, shard_ranks, zero1_args, zero1_pieces
+from ..program import Compiled, shard_axes, shard_ranks, zero1_args, zero1_in_backward, zero1_pieces
 from ..zero1_buckets import DataGroup, Zero1Buckets
 from .opcount import OpCounter
 
 
 def step_extra(compiled: Compiled, names=None) -> int:
     """Bytes above the model state (parameters, gradients, optimizer state) at the peak of the optimizer
-    step of a rank holding the parameters `names` (all by default): ZeRO-1's reduce-scatters, the
-    update, or ZeRO-1's all-gathers (`_zero1_peaks`). Negative where ZeRO-1 frees more gradients than
-    the step makes."""
+    step of a rank holding the parameters `names` (all by default): ZeRO-1's reduce-scatters (or, where
+    they ran behind backward, their pieces, held from its end), the update, or ZeRO-1's all-gathers
+    (`_zero1_peaks`). Negative where ZeRO-1 frees more gradients than the step makes."""
     sizes, copies = _masters(compiled, names)
     full = next(iter(compiled.traced.params.values())).dtype
     scatter, gather, freed = _zero1_peaks(compiled, names, full, copies)
     return max(scatter, copies - freed + max(gather, _update_peak(sizes, full)))
 
 
-def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> tuple[int, int, int]:
-    """ZeRO-1's buckets, run as the step runs them (`zero1_buckets.Zero1Buckets`, on meta tensors of rank
-    0's shapes, whose pieces are the largest): the most bytes held above the model state while the
-    gradients are reduce-scattered (each bucket's input until it lands, its output, and while it is waited
-    for the copy of its input gloo sums, `_DryWork`; each gradient freed once its bucket holds it; where
-    the gradients sum in another dtype than the masters', the outputs are held until the masters'
-    gradients, `copies`, are made from them); the most above the masters' gradients while the updated
-    pieces are all-gathered; and the bytes of the gradients freed. (NCCL reduce-scatters without gloo's
-    copy: there the plan is one bucket's input high.)"""
-    opts = compiled.options
-    reduce, param = (getattr(torch, d) for d in (opts.precision.reduce, opts.precision.param))
+def dry_zero1(compiled: Compiled, names=None) -> _DryZero1 | None:
+    """ZeRO-1's buckets of a rank holding the parameters `names` (all by default), on meta tensors of rank
+    0's shapes, whose pieces are the largest; None where ZeRO-1 splits none of them."""
+    reduce = getattr(torch, compiled.options.precision.reduce)
     pieces = zero1_pieces(compiled)
     shapes, dims, groups = {}, {}, {}
     for n in compiled.traced.params:
@@ -56,9 +49,24 @@ def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> t
         args = zero1_args(compiled, n)
         shapes[n], dims[n] = args[0], zero1_shard_dim(*args)
         groups[n] = DataGroup(None, shard_axes(compiled, n), 0, args[1])
-    if not shapes:
+    return _DryZero1(shapes, dims, groups, reduce) if shapes else None
+
+
+def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> tuple[int, int, int]:
+    """ZeRO-1's buckets, run as the step runs them (`zero1_buckets.Zero1Buckets`, `dry_zero1`): the most
+    bytes held above the model state while the gradients are reduce-scattered (each bucket's input until it
+    lands, its output, and while it is waited for the copy of its input gloo sums, `_DryWork`; each
+    gradient freed once its bucket holds it; where the gradients sum in another dtype than the masters',
+    the outputs are held until the masters' gradients, `copies`, are made from them), or where backward
+    reduce-scattered them (`program.zero1_in_backward`) the outputs alone, which the step starts with and
+    the backward's peak holds with the rest; the most above the masters' gradients while the updated
+    pieces are all-gathered; and the bytes of the gradients freed. (NCCL reduce-scatters without gloo's
+    copy: there the plan is one bucket's input high.)"""
+    param = getattr(torch, compiled.options.precision.param)
+    buckets = dry_zero1(compiled, names)
+    if buckets is None:
         return 0, 0, 0
-    buckets = _DryZero1(shapes, dims, groups, reduce)
+    shapes = buckets.shapes
     params = {n: torch.nn.Parameter(torch.empty(shape, dtype=param, device="meta")) for n, shape in shapes.items()}
     for p in params.values():
         p.grad = torch.empty_like(p)
@@ -68,7 +76,9 @@ def _zero1_peaks(compiled: Compiled, names, full: torch.dtype, copies: int) -> t
         base = tracker.live
         out = buckets.reduce_scatter(params)  # frees the gradients
         scatter, outputs = tracker.peak - base, tracker.live - base + freed
-    if reduce.itemsize != full.itemsize:
+    if zero1_in_backward(compiled):
+        scatter = outputs
+    if buckets.reduce_dtype.itemsize != full.itemsize:
         scatter = max(scatter, outputs + copies - freed)
     del out
     targets = {n: p.data for n, p in params.items()}
@@ -85,7 +95,7 @@ class _DryZero1(Zero1Buckets):
     """`Zero1Buckets` on meta tensors: nobody sums or gathers; a reduce-scatter's wait allocates the copy
     of its input gloo sums (its reduce-scatter is an all-reduce of a copy of the input)."""
 
-    def scatter(self, mine, buf, bucket):
+    def scatter(self, mine, buf, bucket, phase):
         return _DryWork(buf)
 
     def gather(self, full, mine, bucket):
@@ -171,4 +181,4 @@ def _update_peak(sizes: list[int], dtype: torch.dtype) -> int:
     return tracker.peak - base
 
 
-__all__ = ["optimizer_compute", "step_extra"]
+__all__ = ["dry_zero1", "optimizer_compute", "step_extra"]

@@ -185,6 +185,7 @@ def stage_collectives(compiled, stages, core, m: int, pp_axis: str) -> list[Coll
         out += dp_collectives(
             compiled.traced, compiled.param_layouts, compiled.axes, compiled.data_axes,
             opts, compiled.synced_params, names=names, pp_rank=r, whole=whole, level=zero,
+            scatter_phase="optimizer",  # ZeRO-1's, after the schedule (`program.zero1_in_backward`)
         )  # fmt: skip
         for name in sorted(n for n in names if len(holders[n]) > 1):
             nbytes = math.prod(compiled.local_param_shape(name)) * getattr(torch, opts.precision.param).itemsize
