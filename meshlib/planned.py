@@ -8,10 +8,11 @@ meshlib's runtime runs them:
   all-to-alls) runs once per microbatch, in its phase; the ring's hops travel behind their blocks;
 - the gradient sync runs as backward frees the gradients (per-parameter hooks; FSDP2's reduce-scatters
   under ZeRO-2/3): behind the last microbatch's backward. ZeRO-2/3's parameter gathers are prefetched
-  (FSDP2): behind the step's compute. ZeRO-1's gather of the updated shards follows the update. FSDP2
-  moves a unit's parameters (a layer's; the rest of the model is one more unit) in one collective over a
-  flat buffer: the plan lists each parameter's bytes, the time model pays one call per unit
-  (`fsdp_unit`);
+  (FSDP2): behind the step's compute. ZeRO-1's reduce-scatters run behind the last microbatch's
+  backward too, but in the optimizer step after a pipeline's schedule (the record's phase says which),
+  and its gather of the updated shards follows the update. FSDP2 moves a unit's parameters (a layer's;
+  the rest of the model is one more unit) in one collective over a flat buffer: the plan lists each
+  parameter's bytes, the time model pays one call per unit (`fsdp_unit`);
 - a pipeline's activations and their gradients cross each stage boundary once per microbatch.
 
 Example:
