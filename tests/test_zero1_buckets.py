@@ -142,9 +142,19 @@ def _ways(run: RunConfig) -> dict:
     from meshlib_torch.runtime.comm import CommCounter
     from meshlib_torch.testing.parity import batch_of, build_parallel
 
-    def way(sync: bool, backwards: int = 1, clip: bool = False):
+    def way(sync: bool, backwards: int = 1, clip: bool = False, raised: bool = False, frozen: bool = False):
         par = build_parallel(run)
+        if frozen:  # fine-tuning with a layer frozen: its parameters get no gradient, their buckets still run
+            for name, p in par.named_model_parameters().items():
+                p.requires_grad_(not name.startswith("layers.0."))
         opt = par.optimizer(lr=1e-2)
+        if raised:  # a backward that raises on the gradient backward makes last, after buckets have started
+            first = next(iter(par.named_model_parameters().values()))
+            handle = first.register_hook(lambda g: (_ for _ in ()).throw(ValueError("stop")))
+            with pytest.raises(ValueError, match="stop"):
+                par(*batch_of(run, 1)).backward()
+            handle.remove()
+            opt.zero_grad()
         issued = []
 
         class Log(CommCounter):
@@ -165,10 +175,17 @@ def _ways(run: RunConfig) -> dict:
         return {"backward": in_backward, "step": issued[len(in_backward) :], "landed": landed,
                 "buckets": len(opt.buckets.buckets), "split": len(opt.buckets.shapes), "params": after}  # fmt: skip
 
-    return {
-        "overlap": way(True), "in_step": way(False), "clip": way(True, clip=True), "clip_in_step": way(False, clip=True),
-        "accumulate": way(True, backwards=2), "accumulate_in_step": way(False, backwards=2),
-    }  # fmt: skip
+    saved = _patched(1024, 4096)  # several buckets: some have started when the raising backward stops
+    try:
+        return {
+            "overlap": way(True), "in_step": way(False), "clip": way(True, clip=True),
+            "clip_in_step": way(False, clip=True), "accumulate": way(True, backwards=2),
+            "init": {n: p.detach().full_tensor().clone() for n, p in build_parallel(run).named_model_parameters().items()},
+            "accumulate_in_step": way(False, backwards=2), "after_a_raise": way(True, raised=True),
+            "frozen": way(True, frozen=True), "frozen_in_step": way(False, frozen=True),
+        }  # fmt: skip
+    finally:
+        _restore(saved)
 
 
 @pytest.mark.ranks
@@ -176,20 +193,26 @@ def test_the_reduce_scatters_run_behind_backward_and_the_step_applies_them_only_
     """With gradient sync on, every bucket's reduce-scatter is issued before backward returns and lands there
     (each split parameter's piece), and the step issues none; with it off, the step issues them all. Where
     the gradients changed after backward (torch's `clip_grad_norm_` scaled them in place; a second backward
-    added to them, each one reduce-scattering again), the step reduce-scatters afresh. Each update equals
-    the one whose sums all ran in the step, to the bit."""
+    added to them, each one reduce-scattering again), the step reduce-scatters afresh. A backward that raised
+    midway leaves nothing behind for the next; a frozen layer is left as it was. Each update equals the one
+    whose sums all ran in the step, to the bit."""
     import torch
 
     for got in get_pool(2).run(_ways, RunConfig(model="llama-tiny", mesh="dp=2", zero=1, dtype="float32")):
         n = got["overlap"]["buckets"]
-        assert n >= 1 and got["overlap"]["landed"] == got["overlap"]["split"]
+        assert n >= 3 and got["overlap"]["landed"] == got["overlap"]["split"]
         assert (got["overlap"]["backward"], got["overlap"]["step"]) == (["backward"] * n, [])
         assert (got["in_step"]["backward"], got["in_step"]["step"]) == ([], ["optimizer"] * n)
         assert (got["clip"]["backward"], got["clip"]["step"]) == (["backward"] * n, ["optimizer"] * n)
         assert (got["accumulate"]["backward"], got["accumulate"]["step"]) == (["backward"] * 2 * n, [])
-        for a, b in (("overlap", "in_step"), ("clip", "clip_in_step"), ("accumulate", "accumulate_in_step")):
+        assert got["after_a_raise"]["step"] == []  # the backward after it ran whole, behind backward again
+        assert (got["frozen"]["backward"], got["frozen"]["step"]) == (["backward"] * n, [])
+        for a, b in (("overlap", "in_step"), ("clip", "clip_in_step"), ("accumulate", "accumulate_in_step"),
+                     ("after_a_raise", "in_step"), ("frozen", "frozen_in_step")):  # fmt: skip
             assert got[a]["params"].keys() == got[b]["params"].keys()
             assert all(torch.equal(got[a]["params"][k], got[b]["params"][k]) for k in got[a]["params"]), (a, b)
         assert not all(
             torch.equal(got["overlap"]["params"][k], got["clip"]["params"][k]) for k in got["clip"]["params"]
         )  # the clipping did change the update
+        held = [k for k in got["frozen"]["params"] if k.startswith("layers.0.")]
+        assert held and all(torch.equal(got["frozen"]["params"][k], got["init"][k]) for k in held)

@@ -102,6 +102,11 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def backward_id() -> int:
+    """The running backward's graph task id (-1 outside backward): which backward a hook fires in."""
+    return torch._C._current_graph_task_id()
+
+
 def at_backward_end(fn) -> None:
     """Run `fn` once the running backward has finished (called during it): where DDP and FSDP2 wait for
     their last gradient reductions (`Variable._execution_engine.queue_callback`; torch has no public way)."""

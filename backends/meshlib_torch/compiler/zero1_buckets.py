@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..torch_private import at_backward_end, local_tensor, version
+from ..torch_private import at_backward_end, backward_id, local_tensor, version
 from .buckets import InFlight, grad_buckets
 from .placement.placements import chunk_rows
 
@@ -97,7 +97,9 @@ class Zero1Buckets:
         self.landed: dict[str, torch.Tensor] | None = None  # the last backward's pieces, until `take`
         self._params: dict[str, torch.Tensor] = {}
         self._stamps: dict[str, tuple | None] = {}  # per gradient packed in backward: what it was then
-        self._ready, self._next, self._waiting = [0] * len(self.buckets), 0, False
+        self._ready, self._next, self._waiting, self._task = [0] * len(self.buckets), 0, False, -1
+        self._complete = False  # every bucket of the last backward landed (`landed` is whole)
+        self._needed = [len(b.pieces) for b in self.buckets]  # per bucket, the gradients backward makes
         self._running = InFlight(lambda b, buf, mine, work, had: self._took(b, mine, work, had, self.landed))
 
     def scatter(self, mine: torch.Tensor, buf: torch.Tensor, bucket: Zero1Bucket, phase: str):
@@ -148,19 +150,25 @@ class Zero1Buckets:
         self._params = params
         me = weakref.ref(self)  # the parameters' hooks must not keep dropped buckets (and their pieces) alive
         of = {piece.name: i for i, b in enumerate(self.buckets) for piece in b.pieces}
+        trained = [n for n in self.shapes if params[n].requires_grad]  # a frozen one never gets a gradient
+        self._needed = [sum(params[p.name].requires_grad for p in b.pieces) for b in self.buckets]
         return [
             params[n].register_post_accumulate_grad_hook(lambda _, i=of[n]: me() is not None and me()._arrived(i))
-            for n in self.shapes
+            for n in trained
         ]
 
     def _arrived(self, i: int) -> None:
         if not self.enabled:
             return
+        if self._waiting and backward_id() != self._task:  # a backward that raised never reached its end
+            self.landed = {}  # its pieces land, and are dropped with it
+            self._running.drain()
+            self._ready, self._next, self._waiting = [0] * len(self.buckets), 0, False
         if not self._waiting:
-            self._waiting, self.landed, self._stamps = True, {}, {}
+            self._waiting, self._task, self._complete, self.landed, self._stamps = True, backward_id(), False, {}, {}
             at_backward_end(self._backward_end)
         self._ready[i] += 1
-        while self._next < len(self.buckets) and self._ready[self._next] >= len(self.buckets[self._next].pieces):
+        while self._next < len(self.buckets) and self._ready[self._next] >= self._needed[self._next]:
             self._start(self.buckets[self._next])
 
     def _start(self, b: Zero1Bucket) -> None:
@@ -175,15 +183,15 @@ class Zero1Buckets:
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
         self._running.drain()
-        self._ready, self._next, self._waiting = [0] * len(self.buckets), 0, False
+        self._ready, self._next, self._waiting, self._complete = [0] * len(self.buckets), 0, False, True
 
     def take(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """The pieces the last backward reduce-scattered (as `reduce_scatter` returns them), each gradient
         then freed; None where none landed or a gradient changed since (clipped, accumulated into, cleared):
         the step then reduce-scatters them as they are."""
-        landed, stamps = self.landed, self._stamps
+        landed, stamps, complete = self.landed, self._stamps, self._complete
         self.discard()
-        if landed is None or not all(_unchanged(params[n].grad, s) for n, s in stamps.items()):
+        if landed is None or not complete or not all(_unchanged(params[n].grad, s) for n, s in stamps.items()):
             return None
         for n in self.shapes:
             params[n].grad = None
@@ -191,7 +199,7 @@ class Zero1Buckets:
 
     def discard(self) -> None:
         """Drop the pieces the last backward left (a new step starts)."""
-        self.landed, self._stamps = None, {}
+        self.landed, self._stamps, self._complete = None, {}, False
 
     def _took(self, b: Zero1Bucket, mine: torch.Tensor, work, had: set, out) -> None:
         work.wait()
@@ -253,7 +261,7 @@ def _unchanged(grad: torch.Tensor | None, stamp: tuple | None) -> bool:
     was, was_local, v, v_local, sums = stamp
     local = local_tensor(grad)
     same = was() is grad and was_local() is local and (version(grad), version(local)) == (v, v_local)
-    return same and torch.equal(_sums(local), sums)
+    return same and torch.allclose(_sums(local), sums, rtol=0.0, atol=0.0, equal_nan=True)  # fp16's overflows
 
 
 def _numel(shape) -> int:
