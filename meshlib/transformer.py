@@ -473,8 +473,10 @@ def _head_rank(name: str, pp: int) -> int:
 def _update(shape: ModelShape, c: StepConfig, dense: int, moe: int, params: tuple, first: bool, last: bool) -> float:
     """What the optimizer step holds above the model state in meshlib's runtime (`main_grads=False`; Megatron's
     fused optimizer is left out): under mixed precision below ZeRO-2, a full-precision copy of each gradient
-    it steps on, kept until the update ends; and torch's AdamW, one tensor at a time, two full-precision
-    temporaries the size of the largest (`meshlib_torch`'s `stepmem` measures both on meta tensors)."""
+    it steps on, kept until the update ends; ZeRO-1's summed pieces where backward reduce-scattered them
+    (`zero1_overlap`; in fp32 they are those copies); and torch's AdamW, one tensor at a time, two
+    full-precision temporaries the size of the largest (`meshlib_torch`'s `stepmem` measures these on meta
+    tensors)."""
     if c.main_grads:
         return 0.0
     shards = (c.dp * c.cp * c.ep, c.dp * c.cp)
