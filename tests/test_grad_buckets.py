@@ -174,6 +174,30 @@ def test_adding_to_a_summed_gradient_is_refused():
     sync.finish()
 
 
+def test_a_backward_after_one_that_raised_sums_afresh():
+    """A backward that raises once some buckets have started never reaches its end: the next one waits for
+    those sums, drops them and counts its own gradients afresh, so it sums every bucket once, in order, and
+    its gradients are exactly the two ranks' sum. (Counted on, the stale counts would start buckets before
+    their gradients were in, and refuse the rest as late.)"""
+    model, _ = _model()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    with _caps(64, 64):
+        sync, started = _doubling(dict(model.named_parameters()))  # every parameter trained: buckets start early
+    first = model[0].weight  # the gradient backward makes last: raise there, after later buckets started
+    handle = first.register_hook(lambda g: (_ for _ in ()).throw(ValueError("stop")))
+    with pytest.raises(ValueError, match="stop"):
+        model(x).sum().backward()
+    handle.remove()
+    assert 0 < len(started) < len(sync.buckets)
+    model.zero_grad(set_to_none=True)
+    started.clear()
+    model(x).sum().backward()
+    assert started == [len(b.params) for b in sync.buckets]
+    for (name, p), want in zip(model.named_parameters(), reference):
+        torch.testing.assert_close(p.grad, 2 * want, rtol=0, atol=0, msg=name)
+
+
 class _caps:
     """Bucket limits for a test, restored after."""
 

@@ -24,7 +24,7 @@ from collections.abc import Hashable, Iterable
 
 import torch
 
-from ..torch_private import at_backward_end, local_tensor
+from ..torch_private import at_backward_end, backward_id, local_tensor
 
 FIRST_BUCKET_BYTES = 1 << 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
@@ -103,9 +103,7 @@ class Buckets:
         self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         self.handles += [p.register_hook(lambda g, p=p: self._arriving(p)) for p in self.params]
         self._summed: set[int] = set()  # parameters whose gradient holds a sum, until it is cleared
-        self._next = 0  # the next bucket to start
-        self._running = InFlight(self._land)  # (parameters, gradients, their pieces of the buffer, work)
-        self._waiting = False  # the end-of-backward callback is queued
+        self.order = InOrder([len(b.params) for b in self.buckets], lambda i: self._start(self.buckets[i]), self._land)
 
     def reduce(self, buf: torch.Tensor, bucket: _Bucket):
         """Start summing `buf` over `bucket.group`; returns what `.wait()`s for it."""
@@ -130,42 +128,29 @@ class Buckets:
         if not self.enabled:
             return
         bucket = self.bucket_of[id(p)]
-        if bucket.index < self._next:
+        if not self.order.arrived(bucket.index):
             raise RuntimeError(
                 f"the gradient of {self.names[id(p)]!r} arrived after its bucket was summed over "
                 f"{bucket.axis!r} (a second backward through it in one step, or a backward that ended early). "
                 "Fix: run one backward per microbatch, with gradient sync off (set_gradient_sync(False)) "
                 "for all but the last"
             )
-        bucket.ready += 1
-        if not self._waiting:
-            self._waiting = True
-            at_backward_end(self.finish)
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
-            self._start(self.buckets[self._next])
 
     def finish(self) -> None:
         """Start every bucket not yet started (a parameter without a gradient counts zeros), wait for all,
         and make ready for the next backward."""
-        while self._next < len(self.buckets):
-            self._start(self.buckets[self._next])
-        self._running.drain()
-        self._next, self._waiting = 0, False
-        for b in self.buckets:
-            b.ready = 0
+        self.order.finish()
 
-    def _start(self, bucket: _Bucket) -> None:
-        self._running.make_room()
+    def _start(self, bucket: _Bucket) -> tuple:
         grads = [None if p.grad is None else local_tensor(p.grad) for p in bucket.params]
         sizes = [local_tensor(p).numel() for p in bucket.params]
         buf = torch.empty(sum(sizes), dtype=self.reduce_dtype, device=local_tensor(bucket.params[0]).device)
         pieces = buf.split(sizes)
         for g, piece in zip(grads, pieces):
             piece.copy_(g.reshape(-1)) if g is not None else piece.zero_()
-        self._running.add(bucket.params, grads, pieces, self.reduce(buf, bucket))
-        self._next += 1
+        return self.reduce(buf, bucket), bucket.params, grads, pieces
 
-    def _land(self, params, grads, pieces, work) -> None:
+    def _land(self, work, params, grads, pieces) -> None:
         work.wait()
         for p, g, piece in zip(params, grads, pieces):
             if g is not None:
@@ -179,8 +164,8 @@ class Buckets:
 
 class InFlight:
     """Collectives started and not yet waited for, oldest first, at most `Buckets.INFLIGHT`: `make_room`
-    lands the oldest until one more may start, `drain` lands them all; `land(*entry)` waits for one and
-    puts its result where it goes."""
+    lands the oldest until one more may start, `drain` lands them all, `drop` waits for them all and lands
+    none; `land(work, *entry)` waits for one (`work`) and puts its result where it goes."""
 
     def __init__(self, land):
         self.land, self.running = land, deque()
@@ -189,12 +174,70 @@ class InFlight:
         while len(self.running) >= Buckets.INFLIGHT:
             self.land(*self.running.popleft())
 
-    def add(self, *entry) -> None:
-        self.running.append(entry)
+    def add(self, work, *entry) -> None:
+        self.running.append((work, *entry))
 
     def drain(self) -> None:
         while self.running:
             self.land(*self.running.popleft())
 
+    def drop(self) -> None:
+        while self.running:
+            self.running.popleft()[0].wait()
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Buckets", "InFlight", "grad_buckets", "most_held"]
+
+class InOrder:
+    """Start buckets in order as backward fills them, with at most `Buckets.INFLIGHT` in flight (`running`):
+    bucket i starts (`start(i)`, which returns its `(work, *entry)` for `land`) once `needed[i]` of its
+    gradients are in (`arrived`) and every bucket before it has started. At backward's end (`finish`, queued
+    by the first gradient) the rest start and all land. `begin()` runs as a backward's first gradient
+    arrives, `end()` once all landed.
+
+    A backward that raised midway never reaches its end: its sums are left in flight and its counts stale.
+    The next backward's first gradient (or a `finish` outside backward) waits for those sums, drops them
+    (the gradients they were cut from belong to a step that failed) and counts afresh, as if the failed
+    backward had not run its hooks; every rank that raised at the same point issues the same collectives."""
+
+    def __init__(self, needed: list[int], start, land, begin=lambda: None, end=lambda: None):
+        self.needed, self.start, self.begin, self.end = list(needed), start, begin, end
+        self.running = InFlight(land)
+        self.ready, self.next, self.task = [0] * len(self.needed), 0, None  # task: the backward counting
+
+    def arrived(self, i: int) -> bool:
+        """One more gradient of bucket i is in; False (not counted) where bucket i had already started."""
+        self._forget_failed()
+        if self.task is None:
+            self.task = backward_id()
+            self.begin()
+            at_backward_end(self.finish)
+        if i < self.next:
+            return False
+        self.ready[i] += 1
+        while self.next < len(self.needed) and self.ready[self.next] >= self.needed[self.next]:
+            self._start_next()
+        return True
+
+    def finish(self) -> None:
+        """Start every bucket not yet started, land all, and make ready for the next backward."""
+        self._forget_failed()
+        while self.next < len(self.needed):
+            self._start_next()
+        self.running.drain()
+        self._reset()
+        self.end()
+
+    def _start_next(self) -> None:
+        self.running.make_room()
+        self.running.add(*self.start(self.next))
+        self.next += 1
+
+    def _forget_failed(self) -> None:
+        if self.task is not None and backward_id() != self.task:  # that backward raised before its end
+            self.running.drop()
+            self._reset()
+
+    def _reset(self) -> None:
+        self.ready, self.next, self.task = [0] * len(self.needed), 0, None
+
+
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Buckets", "InFlight", "InOrder", "grad_buckets", "most_held"]

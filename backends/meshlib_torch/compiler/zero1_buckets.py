@@ -29,8 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..torch_private import at_backward_end, backward_id, local_tensor, version
-from .buckets import InFlight, grad_buckets
+from ..torch_private import local_tensor, version
+from .buckets import InFlight, InOrder, grad_buckets
 from .placement.placements import chunk_rows
 
 
@@ -97,10 +97,8 @@ class Zero1Buckets:
         self.landed: dict[str, torch.Tensor] | None = None  # the last backward's pieces, until `take`
         self._params: dict[str, torch.Tensor] = {}
         self._stamps: dict[str, tuple | None] = {}  # per gradient packed in backward: what it was then
-        self._ready, self._next, self._waiting, self._task = [0] * len(self.buckets), 0, False, -1
         self._complete = False  # every bucket of the last backward landed (`landed` is whole)
-        self._needed = [len(b.pieces) for b in self.buckets]  # per bucket, the gradients backward makes
-        self._running = InFlight(lambda b, buf, mine, work, had: self._took(b, mine, work, had, self.landed))
+        self._order: InOrder | None = None  # `watch`'s: starts the buckets as backward fills them
 
     def scatter(self, mine: torch.Tensor, buf: torch.Tensor, bucket: Zero1Bucket, phase: str):
         """Start reduce-scattering `buf` (every rank's part, side by side) into `mine`; what `.wait()`s for it."""
@@ -116,11 +114,11 @@ class Zero1Buckets:
         once its bucket holds it, as FSDP2 frees an unsharded gradient once reduce-scattered; where backward
         made none, zeros are summed and no piece is returned."""
         out: dict[str, torch.Tensor] = {}
-        running = InFlight(lambda b, buf, mine, work, had: self._took(b, mine, work, had, out))
+        running = InFlight(lambda work, b, buf, mine, had: self._took(work, b, mine, had, out))
         for b in self.buckets:
             running.make_room()
             buf, mine, had = self._pack(b, params, free=True)
-            running.add(b, buf, mine, self.scatter(mine, buf.view(-1), b, "optimizer"), had)  # held until it lands
+            running.add(self.scatter(mine, buf.view(-1), b, "optimizer"), b, buf, mine, had)  # held until it lands
             del buf
         running.drain()
         return out
@@ -146,44 +144,36 @@ class Zero1Buckets:
     def watch(self, params: dict[str, torch.Tensor]) -> list:
         """Reduce-scatter in backward while `enabled`: a bucket starts once every gradient in it is in and
         every bucket before it has started; at backward's end the rest start (a parameter backward did not
-        reach sums zeros) and all land in `landed`. Gradients are kept. Returns the hooks' handles."""
+        reach sums zeros) and all land in `landed` (`buckets.InOrder`). Gradients are kept. Returns the
+        hooks' handles."""
         self._params = params
         me = weakref.ref(self)  # the parameters' hooks must not keep dropped buckets (and their pieces) alive
         of = {piece.name: i for i, b in enumerate(self.buckets) for piece in b.pieces}
         trained = [n for n in self.shapes if params[n].requires_grad]  # a frozen one never gets a gradient
-        self._needed = [sum(params[p.name].requires_grad for p in b.pieces) for b in self.buckets]
+        needed = [sum(params[p.name].requires_grad for p in b.pieces) for b in self.buckets]
+        self._order = InOrder(needed, lambda i: self._start(self.buckets[i]),
+                              lambda work, b, buf, mine, had: self._took(work, b, mine, had, self.landed),
+                              begin=self._begin, end=self._end)  # fmt: skip
         return [
             params[n].register_post_accumulate_grad_hook(lambda _, i=of[n]: me() is not None and me()._arrived(i))
             for n in trained
         ]
 
     def _arrived(self, i: int) -> None:
-        if not self.enabled:
-            return
-        if self._waiting and backward_id() != self._task:  # a backward that raised never reached its end
-            self.landed = {}  # its pieces land, and are dropped with it
-            self._running.drain()
-            self._ready, self._next, self._waiting = [0] * len(self.buckets), 0, False
-        if not self._waiting:
-            self._waiting, self._task, self._complete, self.landed, self._stamps = True, backward_id(), False, {}, {}
-            at_backward_end(self._backward_end)
-        self._ready[i] += 1
-        while self._next < len(self.buckets) and self._ready[self._next] >= self._needed[self._next]:
-            self._start(self.buckets[self._next])
+        if self.enabled:
+            self._order.arrived(i)  # a late gradient (not counted) changes its stamp: the step sums afresh
 
-    def _start(self, b: Zero1Bucket) -> None:
-        self._running.make_room()
+    def _begin(self) -> None:
+        self._complete, self.landed, self._stamps = False, {}, {}
+
+    def _start(self, b: Zero1Bucket) -> tuple:
         buf, mine, had = self._pack(b, self._params, free=False)
         for piece in b.pieces:
             self._stamps[piece.name] = _stamp(self._params[piece.name].grad)
-        self._running.add(b, buf, mine, self.scatter(mine, buf.view(-1), b, "backward"), had)
-        self._next += 1
+        return self.scatter(mine, buf.view(-1), b, "backward"), b, buf, mine, had
 
-    def _backward_end(self) -> None:
-        while self._next < len(self.buckets):
-            self._start(self.buckets[self._next])
-        self._running.drain()
-        self._ready, self._next, self._waiting, self._complete = [0] * len(self.buckets), 0, False, True
+    def _end(self) -> None:
+        self._complete = True
 
     def take(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """The pieces the last backward reduce-scattered (as `reduce_scatter` returns them), each gradient
@@ -201,7 +191,7 @@ class Zero1Buckets:
         """Drop the pieces the last backward left (a new step starts)."""
         self.landed, self._stamps, self._complete = None, {}, False
 
-    def _took(self, b: Zero1Bucket, mine: torch.Tensor, work, had: set, out) -> None:
+    def _took(self, work, b: Zero1Bucket, mine: torch.Tensor, had: set, out) -> None:
         work.wait()
         for piece in b.pieces:
             if piece.name not in had:
@@ -213,7 +203,7 @@ class Zero1Buckets:
     def all_gather(self, pieces: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
         """Rebuild each parameter (`targets`: its local tensor, written in place) from every rank's updated
         piece (`pieces`: this rank's, any dtype)."""
-        running = InFlight(lambda b, mine, full, work: self._gathered(b, full, work, targets))
+        running = InFlight(lambda work, b, mine, full: self._gathered(work, b, full, targets))
         for b in self.buckets:
             running.make_room()
             n, first = b.group.size, targets[b.pieces[0].name]
@@ -223,10 +213,10 @@ class Zero1Buckets:
                 region = mine[piece.offset : piece.offset + _numel(piece.shape)].view(piece.shape)
                 region.narrow(piece.dim, 0, rows).copy_(pieces[piece.name])
             full = torch.empty(n * b.numel, dtype=first.dtype, device=first.device)
-            running.add(b, mine, full, self.gather(full, mine, b))
+            running.add(self.gather(full, mine, b), b, mine, full)
         running.drain()
 
-    def _gathered(self, b: Zero1Bucket, full: torch.Tensor, work, targets) -> None:
+    def _gathered(self, work, b: Zero1Bucket, full: torch.Tensor, targets) -> None:
         work.wait()
         n = b.group.size
         parts = full.view(n, b.numel)
