@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -42,6 +43,40 @@ def _in_log_n(rows: list[tuple[int, float]], n: int, mix) -> float:
         if n <= n1:
             return mix(v0, v1, math.log(n / n0) / math.log(n1 / n0))
     return rows[-1][1]
+
+
+def _in_log(rows: list[tuple[int, float]], x: float) -> float:
+    """The value at `x` of `(X, value)` rows sorted by X, linear in log X between the two around it; below the
+    first row the first's value, past the last the last's."""
+    if x <= rows[0][0]:
+        return rows[0][1]
+    return _in_log_n(rows, x, lambda a, b, t: a + (b - a) * t)
+
+
+@functools.lru_cache(maxsize=4096)  # a search prices the same few shapes for thousands of plans
+def _attention_fraction(rows, fallback: float, queries: int, dim: int, backward: bool) -> float:
+    which = "backward" if backward else "forward"
+    grid = {(q, d): f for p, q, d, f in rows if p == which}
+    if not grid:
+        return fallback
+    dims = sorted({d for _, d in grid})
+    by_q = [(q, _in_log(sorted((d, grid[q, d]) for d in dims), dim)) for q in sorted({q for q, _ in grid})]
+    return _in_log(by_q, queries)
+
+
+def _attention_problems(rows) -> list[str]:
+    """What is wrong with a profile's `attention` rows: each pass's rows must fill a grid of query lengths by
+    head dims, with fractions of peak in (0, 1]."""
+    problems = []
+    for which in {p for p, _, _, _ in rows}:
+        mine = [(q, d) for p, q, d, _ in rows if p == which]
+        grid = {(q, d) for q, _ in mine for _, d in mine}
+        if which not in ("forward", "backward") or len(set(mine)) != len(mine) or set(mine) != grid:
+            problems.append(f"attention rows of {which!r}: one per (queries, head dim) of a full grid, pass "
+                            "'forward' or 'backward'")
+    if any(q < 1 or d < 1 or not 0 < f <= 1 for _, q, d, f in rows):
+        problems.append("attention rows: queries and head dim >= 1, fraction in (0, 1]")
+    return problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +164,11 @@ class DeviceProfile:
       leave it at 0;
     - `fused_efficiency`: the fraction of peak that FLOPs outside plain matrix products reach (a fused
       attention kernel: its softmax and masking run between its products);
+    - `attention`: what a fused attention kernel reaches by shape, `(pass, queries, head dim, fraction of peak)`
+      rows over a grid of query lengths and head dims, per pass ("forward", "backward"; measured by `meshlib
+      calibrate`: a kernel's rate falls with the head dim, as its softmax costs the same per score whatever
+      the dim, and moves with the query length, which sets its blocks). Without rows for a pass, its calls
+      reach `fused_efficiency` (`attention_fraction`);
     - `devices_per_node`, `links`: the network, innermost level first (inside a node, then across nodes);
     - `host_per_op`: seconds of host time per op (launch, dispatch); `host_per_update_op`: the same for the
       optimizer's update (None: `host_per_op`; on CPU ranks each update op runs through DTensor's dispatch);
@@ -160,6 +200,7 @@ class DeviceProfile:
     cache: int = 0
     cache_bandwidth: float = 0.0
     fused_efficiency: float = 1.0
+    attention: tuple[tuple[str, int, int, float], ...] = ()
     host_per_op: float = 0.0
     host_per_update_op: float | None = None
     host_overlaps: bool = True
@@ -177,7 +218,8 @@ class DeviceProfile:
         _set(self, "extra", tuple((str(k), float(v)) for k, v in dict(self.extra).items()))
         _set(self, "sharing", tuple(sorted((str(w), int(n), float(v)) for w, n, v in self.sharing)))
         _set(self, "drift", tuple(sorted((int(n), float(v)) for n, v in self.drift)))
-        problems = []
+        _set(self, "attention", tuple(sorted((str(p), int(q), int(d), float(f)) for p, q, d, f in self.attention)))
+        problems = _attention_problems(self.attention)
         if not self.flops or any(v <= 0 for _, v in self.flops):
             problems.append(f"flops={dict(self.flops)} must give a positive FLOP/s for at least one dtype")
         if not 0 < self.matmul_efficiency <= 1 or self.matmul_half < 0:
@@ -207,6 +249,13 @@ class DeviceProfile:
         if "float32" in table:
             return table["float32"]
         raise ValueError(f"profile {self.name!r} gives no FLOP/s for {dtype} (it has {sorted(table)})")
+
+    def attention_fraction(self, queries: int, dim: int, backward: bool = False) -> float:
+        """The fraction of peak one fused attention call over `queries` query rows of head dim `dim` reaches,
+        forward or `backward`: the `attention` rows of that pass interpolated linearly in log head dim, then in
+        log queries, between the measured values around it (past the grid's edge, the edge's value);
+        `fused_efficiency` where the profile has no rows for the pass."""
+        return _attention_fraction(self.attention, self.fused_efficiency, queries, dim, backward)
 
     def matmul_fraction(self, flops: float) -> float:
         """The fraction of peak a matrix product of `flops` FLOPs reaches."""
@@ -277,7 +326,7 @@ class DeviceProfile:
                               "alphas": tuple(map(tuple, link.get("alphas", ()))),
                               "by_ranks": tuple(map(tuple, link.get("by_ranks", ())))})
                       for link in data.pop("links"))  # fmt: skip
-        for name in ("flops", "extra", "sharing", "drift"):
+        for name in ("flops", "extra", "sharing", "drift", "attention"):
             data[name] = tuple(map(tuple, data.get(name, ())))
         return cls(links=links, **data)
 

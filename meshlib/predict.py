@@ -2,9 +2,9 @@
 
 - **Compute.** A matrix product of f FLOPs runs at `profile.matmul_fraction(f)` of the dtype's peak, or as
   fast as memory feeds it, whichever is slower; every other op takes its memory traffic's time, plus its
-  FLOPs at `profile.fused_efficiency` of peak (fused kernels that are not plain products: attention). The host's
-  time per op is hidden behind the device's where the host runs ahead (GPUs), added where it computes
-  itself (CPUs). Ranks beyond a CPU host's cores share them.
+  FLOPs at `profile.fused_efficiency` of peak (fused kernels that are not plain products), a fused attention
+  call's at `profile.attention_fraction` of its shape. The host's time per op is hidden behind the device's
+  where the host runs ahead (GPUs), added where it computes itself (CPUs). Ranks beyond a CPU host's cores share them.
 - **Communication.** Each collective runs over the ranks its mesh axes span. Mesh axes map to links in
   row-major rank order, `profile.devices_per_node` consecutive ranks a node: a group within one node uses
   the inner link, any other the outer one. Time is alpha-beta: `steps * alpha + bus_bytes / bandwidth` (alpha
@@ -21,9 +21,10 @@
   core to the others: the step takes the longer of the schedule at each rank's speed alone and the busiest
   rank's work at the shared speed (never more than the schedule at the shared speed throughout).
 - **Lockstep on shared cores.** Ranks sharing a host's cores drift apart while they compute, as the
-  scheduler serves them in turns; each collective waits for the last of them. Over a step of K collectives
-  among C seconds of each rank's compute that is `profile.lockstep_wait(N, C, K)`, `sqrt(drift * C * K)`
-  (a random walk: the spread grows with the square root of the stretch of compute between collectives). It
+  scheduler serves them in turns; each collective waits for the last of them, and in a pipeline each
+  receive (a middle stage's 2 per microbatch and chunk) for its sender. Over a step of K such waits among
+  C seconds of each rank's compute that is `profile.lockstep_wait(N, C, K)`, `sqrt(drift * C * K)` (a
+  random walk: the spread grows with the square root of the stretch of compute between collectives). It
   counts as exposed communication.
 
 Example:
@@ -162,6 +163,7 @@ def _time(c: Compute, profile: DeviceProfile, rates: tuple[float, ...]) -> float
     peak, bw, per_op, cached = rates
     device = sum(n * max(f / (peak * profile.matmul_fraction(f)), b / bw) for f, b, n in c.matmuls if f > 0)
     device += c.bytes / bw + c.flops / (peak * profile.fused_efficiency)
+    device += sum(n * f / (peak * profile.attention_fraction(q, d, back)) for f, q, d, back, n in c.attention)
     device += sum(b / (cached if w <= profile.cache else bw) for w, b in c.reused)
     host = c.op_count * per_op
     return max(device, host) if profile.host_overlaps else device + host
@@ -200,6 +202,8 @@ def predict(workload: Workload, profile: DeviceProfile, *, simulate_pipeline: bo
     exposed_step = max(_step_comm(s, mesh, profile, per[i], m) for i, s in enumerate(workload.stages))
     optimizer = max(compute_time(s.optimizer, profile, "float32", ranks, profile.update_host) for s in workload.stages)
     calls = max(sum(c.count for c in s.comm) * m + sum(c.count for c in s.step_comm) for s in workload.stages)
+    if workload.schedule and workload.pp > 1:  # a stage waits at each receive: activations, then their gradients
+        calls += 2 * m * v
     wait = profile.lockstep_wait(ranks, compute + optimizer, calls)  # at each collective, for the last rank
     step = makespan + exposed_step + wait + optimizer
     comm_bytes = max(sum(c.bytes * c.count for c in s.comm) * m + sum(c.bytes * c.count for c in s.step_comm)

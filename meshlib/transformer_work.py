@@ -8,7 +8,7 @@ Per layer and microbatch, with n = b·s/cp tokens on the rank, t = tp, e bytes p
   weight's product twice (input gradient, weight gradient: the latter is `weight`, a zero-bubble W).
   The attention core is one batched product per pass over the rank's `b·heads/t` heads: scores and
   probabilities·values written out (Megatron 2022); or (`flash`) one fused kernel, its FLOPs counted
-  apart from the plain products (`Compute.flops`, run at the profile's `fused_efficiency`), its causal
+  apart from the plain products (`Compute.attention`, run at the profile's `attention_fraction`), its causal
   mask skipping half the blocks and its backward recomputing the scores (five products for the forward's two).
 - **Memory-bound ops** as bytes read and written, after Korthikanti et al. 2022's per-layer walk: two norms
   (read x, write y), bias-dropout-residual (read the branch and the residual, write the sum and a 1-byte
@@ -132,10 +132,11 @@ def _attention(shape, c, b: int, seq: int, e: int) -> tuple[tuple, Compute, Comp
     proj += ((n, o, h, 1),)
     heads, sq, d, dv = b * shape.heads / t, seq // c.cp, shape.head_dim, shape.v_head_dim
     scores = heads * sq * seq
-    if c.flash:  # one fused kernel: FLOPs at the profile's fused rate; backward recomputes the scores
+    if c.flash:  # one fused kernel, priced by its shape; backward recomputes the scores
         f = 2.0 * scores * (d + dv) * 0.5  # causal: half the blocks
         io = e * (n * (q + o) + b * seq * kv) + 4 * heads * sq  # read q, k, v; write out and log-sum-exp
-        return proj, Compute(flops=f, bytes=io, ops=1), Compute(flops=2.5 * f, bytes=2 * io, ops=1)
+        return (proj, Compute(bytes=io, ops=1, attention=((f, sq, d, False, 1),)),
+                Compute(bytes=2 * io, ops=1, attention=((2.5 * f, sq, d, True, 1),)))  # fmt: skip
     qk, pv = _mm(sq, d, seq, e, batch=heads), _mm(sq, seq, dv, e, batch=heads)
     drop = (2 * e + 1) * scores if shape.dropout else 0.0
     fwd = 2 * e * scores + drop + 2 * e * n * o  # softmax, dropout, context transpose

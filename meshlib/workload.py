@@ -41,38 +41,47 @@ class Compute:
     softmax: bound by memory traffic); `reused`: `(working set, bytes)` pairs, traffic beyond `bytes` that
     re-reads and re-writes tensors a run of ops has just touched, `working set` bytes of them at a time (the
     optimizer's ops over one parameter and its state): served from cache where the working set fits in it
-    (`DeviceProfile.cache`), from memory where not."""
+    (`DeviceProfile.cache`), from memory where not; `attention`: `(flops, queries, head dim, backward, count)`
+    per shape of fused attention call (a flash kernel, forward or backward: `count` calls of `flops` FLOPs
+    each, over `queries` query rows per sequence, priced by `DeviceProfile.attention_fraction`). Its calls
+    and their bytes are in `ops` and `bytes`, its FLOPs apart from `flops`."""
 
     matmuls: tuple[tuple[float, float, int], ...] = ()
     flops: float = 0.0
     bytes: float = 0.0
     ops: int = 0
     reused: tuple[tuple[float, float], ...] = ()
+    attention: tuple[tuple[float, int, int, bool, int], ...] = ()
 
     def __post_init__(self):
+        _set = object.__setattr__
         mm = self.matmuls
         if len(mm) > 1 or (mm and not mm[0][2]) or type(mm) is not tuple:  # else already one entry per size
-            merged: dict[tuple[float, float], int] = {}  # one entry per size, in the order first seen
-            for f, b, n in mm:
-                if n:
-                    merged[(f, b)] = merged.get((f, b), 0) + n
-            object.__setattr__(self, "matmuls", tuple((f, b, n) for (f, b), n in merged.items()))
+            _set(self, "matmuls", tuple((f, b, n) for (f, b), n in _merged(((f, b), n) for f, b, n in mm)))
+        if self.attention:  # one entry per shape
+            calls = _merged(((float(f), int(s), int(d), bool(back)), n) for f, s, d, back, n in self.attention)
+            _set(self, "attention", tuple((*key, n) for key, n in calls))
         if len(self.reused) > 1 or type(self.reused) is not tuple:  # one entry per working set
             reused: dict[float, float] = {}
             for w, b in self.reused:
                 reused[float(w)] = reused.get(float(w), 0.0) + float(b)
-            object.__setattr__(self, "reused", tuple(reused.items()))
-        if self.flops < 0 or self.bytes < 0 or self.ops < 0 or any(min(w, b) < 0 for w, b in self.reused):
+            _set(self, "reused", tuple(reused.items()))
+        if (self.flops < 0 or self.bytes < 0 or self.ops < 0 or any(min(w, b) < 0 for w, b in self.reused)
+                or any(f < 0 or s < 1 or d < 1 for f, s, d, _, _ in self.attention)):  # fmt: skip
             raise ValueError(f"Compute: flops={self.flops}, bytes={self.bytes}, ops={self.ops}, reused={self.reused} "
-                             "must be >= 0")
+                             f"must be >= 0, attention={self.attention} (flops >= 0, queries and head dim >= 1)")
 
     @property
     def matmul_flops(self) -> float:
         return sum(f * n for f, _, n in self.matmuls)
 
     @property
+    def attention_flops(self) -> float:
+        return sum(f * n for f, _, _, _, n in self.attention)
+
+    @property
     def total_flops(self) -> float:
-        return self.matmul_flops + self.flops
+        return self.matmul_flops + self.attention_flops + self.flops
 
     @property
     def op_count(self) -> int:
@@ -80,12 +89,22 @@ class Compute:
 
     def __add__(self, other: Compute) -> Compute:
         return Compute(self.matmuls + other.matmuls, self.flops + other.flops, self.bytes + other.bytes,
-                       self.ops + other.ops, self.reused + other.reused)  # fmt: skip
+                       self.ops + other.ops, self.reused + other.reused, self.attention + other.attention)  # fmt: skip
 
     def scaled(self, k: float) -> Compute:
         """`k` times the work (k a whole number of repeats for the op counts)."""
         return Compute(tuple((f, b, round(n * k)) for f, b, n in self.matmuls), self.flops * k, self.bytes * k,
-                       round(self.ops * k), tuple((w, b * k) for w, b in self.reused))  # fmt: skip
+                       round(self.ops * k), tuple((w, b * k) for w, b in self.reused),
+                       tuple((*a[:4], round(a[4] * k)) for a in self.attention))  # fmt: skip
+
+
+def _merged(items) -> list[tuple]:
+    """`(key, count)` pairs summed per key, in the order first seen, keys counted 0 times dropped."""
+    out: dict = {}
+    for key, n in items:
+        if n:
+            out[key] = out.get(key, 0) + n
+    return list(out.items())
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,8 @@ from meshlib import Mesh
 from meshlib import devices as devices_module
 from meshlib.cli import parser
 from meshlib.devices import COLLECTIVE_ALGORITHMS, DeviceProfile, Link, device_profile
-from meshlib.predict import collective_terms, comm_time
-from meshlib.workload import Comm
+from meshlib.predict import collective_terms, comm_time, compute_time
+from meshlib.workload import Comm, Compute
 
 # a least-squares fit on relative error: the median point within RATIO of its measured time, and every point
 # whose time is mostly bandwidth (LARGE bytes and more) within BANDWIDTH_RATIO. No bound on every point: the
@@ -119,12 +119,14 @@ def test_shared_cores_and_model_memory_efficiency_are_read_off_their_measurement
     products = sum(n * max(f / (peak * before.matmul_fraction(f)), b / (before.memory_bandwidth *
                    before.memory_efficiency)) for f, b, n in model["matmuls"])  # fmt: skip
     ops = model["ops"] + sum(n for *_, n in model["matmuls"])
-    rest = model["seconds"][0] - products - model["flops"] / (peak * before.fused_efficiency) - ops * before.host_per_op
+    attention = sum(n * f / (peak * before.attention_fraction(q, d, back)) for f, q, d, back, n in model["attention"])
+    rest = model["seconds"][0] - products - attention - model["flops"] / (peak * before.fused_efficiency)
+    rest -= ops * before.host_per_op
     if rest > 0:
         assert profile.memory_efficiency == pytest.approx(min(1.0, model["bytes"] / rest / before.memory_bandwidth))
     else:  # the products alone took the time: the fresh ops' figure stays
         assert profile.memory_efficiency == before.memory_efficiency
-    assert model["bytes"] > 1e7 and model["flops"] > 0 and len(model["matmuls"]) >= 3
+    assert model["bytes"] > 1e7 and len(model["attention"]) == 2 and len(model["matmuls"]) >= 3
 
 
 @pytest.mark.ranks
@@ -203,6 +205,41 @@ def test_matmul_curve_reproduces_the_measured_products(calibrated):
             f = 2.0 * m * k * n
             pairs.append((measured, host + f / (rate * profile.matmul_fraction(f))))
     _within(pairs, "float32 matrix products", RATIO)
+
+
+@pytest.mark.ranks
+def test_fused_attention_is_priced_by_its_measured_shape(calibrated):
+    """Each measured attention call (forward and backward, by query length and head dim) is a row of the
+    profile, FLOPs / fastest over float32's peak, and the time model prices a call of that shape at exactly
+    its measured time; `fused_efficiency` is the median forward row."""
+    profile, sidecar, _ = calibrated
+    rows = sidecar["measurements"]["attention"]
+    assert {(p, s, d) for p, s, d, *_ in rows} == {(p, s, d) for p in ("forward", "backward")
+                                                   for s in (128, 512) for d in (32, 128)}  # fmt: skip
+    peak = profile.flops_per_s("float32")
+    for which, seq, dim, _, flops, fastest, _ in rows:
+        back = which == "backward"
+        assert profile.attention_fraction(seq, dim, back) == pytest.approx(flops / fastest / peak)
+        call = Compute(attention=((flops, seq, dim, back, 1),))
+        assert compute_time(call, profile.replace(host_per_op=0.0), "float32") == pytest.approx(fastest)
+    forward = [f / t / peak for p, _, _, _, f, t, _ in rows if p == "forward"]
+    assert profile.fused_efficiency == pytest.approx(statistics.median(forward))
+
+
+def test_attention_fraction_interpolates_the_grid_in_log_shape_and_holds_its_edges():
+    """Between measured query lengths and head dims, linear in log of each (at the log-midpoint of four
+    measured shapes, their mean); outside the grid, its edge; a pass without rows, `fused_efficiency`; rows
+    that do not fill a grid are refused."""
+    rows = (("forward", 128, 16, 0.2), ("forward", 128, 64, 0.4), ("forward", 512, 16, 0.3), ("forward", 512, 64, 0.6))
+    profile = device_profile("a100").replace(attention=rows, fused_efficiency=0.5)
+    assert profile.attention_fraction(256, 32) == pytest.approx((0.2 + 0.4 + 0.3 + 0.6) / 4)
+    assert profile.attention_fraction(128, 32) == pytest.approx(0.3)
+    assert profile.attention_fraction(64, 8) == 0.2 and profile.attention_fraction(4096, 256) == 0.6
+    assert profile.attention_fraction(4096, 32) == pytest.approx(0.45)
+    assert profile.attention_fraction(256, 32, backward=True) == 0.5
+    assert DeviceProfile.from_json(profile.to_json()) == profile
+    with pytest.raises(ValueError, match="full grid"):
+        profile.replace(attention=rows[:3])
 
 
 def test_collectives_are_priced_by_the_ranks_sharing_the_host():

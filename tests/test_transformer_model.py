@@ -88,7 +88,9 @@ def test_flash_attention_halves_the_causal_scores():
     flash = workload(shape, StepConfig(dp=1, tp=1, pp=1, flash=True), batch=2, seq=512)
     attention = 4 * 512 * 512 * 256 * shape.layers  # QK^T and PV, forward, one sequence per microbatch
     assert full.stages[0].forward.total_flops - flash.stages[0].forward.total_flops == pytest.approx(attention / 2)
-    assert flash.stages[0].backward.flops == pytest.approx(2.5 * flash.stages[0].forward.flops)  # recomputed scores
+    fwd, bwd = flash.stages[0].forward.attention, flash.stages[0].backward.attention
+    assert [(q, d, back) for _, q, d, back, _ in fwd + bwd] == [(512, 32, False), (512, 32, True)]  # query rows, head dim
+    assert bwd[0][0] == pytest.approx(2.5 * fwd[0][0])  # recomputed scores
 
 
 # -- activations ------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ measurements keep both, and the spread between them says how quiet it was).
 - `matmul_times`: a matrix product's time by size, dtype and operand layout (torch.mm on square shapes and
   on the three products of a transformer's linear layer: forward, input gradient, weight gradient);
 - `memory_times`: elementwise ops (copy, add, mul) from cache-sized to memory-sized tensors;
-- `attention_times`: torch's fused attention kernel (scaled_dot_product_attention, causal);
+- `attention_times`: torch's fused attention kernel (scaled_dot_product_attention, causal), forward and
+  backward, by query length and head dim;
 - `host_times`: tiny ops, where the time is Python, the dispatcher and autograd, not arithmetic;
 - `busy_compute`: one fixed job, every rank of the pool at once, to see ranks share the cores;
 - `lockstep`: every rank alternates a segment of products with a small all-reduce, as a synchronous
@@ -25,6 +26,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from ..torch_private import flash_attention, flash_attention_grads
 
 __all__ = [
     "attention_times", "busy_compute", "host_times", "lockstep", "matmul_shapes", "matmul_times", "memory_times",
@@ -141,18 +144,42 @@ def _elementwise(numel: int) -> dict:
     }
 
 
-def attention_times(seqs=(256, 1024, 2048), *, heads: int = 8, dim: int = 64, target: float = 0.02,
-                    batches: int = 5) -> list[tuple[int, float, float, float]]:  # fmt: skip
-    """`(sequence, FLOPs, fastest, median seconds)` of one causal fp32
-    `F.scaled_dot_product_attention` forward of (1, heads, sequence, dim) q, k and v, by `timed`. FLOPs as
-    `meshlib.transformer_work` counts a fused kernel: 2·heads·s²·2·dim, halved for the causal mask."""
+# the grid fused attention is measured on: query lengths around the block sizes torch's CPU kernel switches
+# at (32 query rows below 192, 64 below 768, 256 from there: aten/src/ATen/native/cpu/FlashAttentionKernel.cpp)
+# and the head dims of small and large models
+ATTENTION_SEQS = (64, 128, 256, 512, 1024, 2048)
+ATTENTION_DIMS = (16, 32, 64, 128)
+ATTENTION_FLOPS = 2e7  # FLOPs a forward call is given where it can (batch·heads up to 64): about 0.5 ms here
+
+
+def attention_times(seqs=ATTENTION_SEQS, dims=ATTENTION_DIMS, *, target: float = 0.02,
+                    batches: int = 5) -> list[tuple[str, int, int, int, float, float, float]]:  # fmt: skip
+    """`(pass, sequence, head dim, batch·heads, FLOPs, fastest, median seconds)` of one call of torch's causal
+    fp32 flash attention kernel, forward (`F.scaled_dot_product_attention`, which runs it) and backward (the
+    kernel's own backward op, which autograd runs on its saved output and log-sum-exp), on (1, batch·heads,
+    sequence, head dim) q, k and v, by `timed`, over the grid `seqs` x `dims`. FLOPs as
+    `meshlib.transformer_work` counts a fused kernel: 2·(batch·heads)·s²·2·dim, halved for the causal mask,
+    2.5 times that in backward."""
     _pin()
     rows = []
     for seq in seqs:
-        q, k, v = (torch.randn(1, heads, seq, dim) for _ in range(3))
-        fn = lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-        rows.append((seq, 2.0 * heads * seq * seq * 2 * dim * 0.5, *timed(fn, target=target, batches=batches)))
+        for dim in dims:
+            bh = max(1, min(64, round(ATTENTION_FLOPS / (2.0 * seq * seq * dim))))
+            forward, backward = _attention_calls(bh, seq, dim)
+            flops = 2.0 * bh * seq * seq * 2 * dim * 0.5
+            rows.append(("forward", seq, dim, bh, flops, *timed(forward, target=target, batches=batches)))
+            rows.append(("backward", seq, dim, bh, 2.5 * flops, *timed(backward, target=target, batches=batches)))
     return rows
+
+
+def _attention_calls(bh: int, seq: int, dim: int):
+    """(forward, backward): one call each of the causal flash attention kernel on (1, bh, seq, dim) q, k, v."""
+    q, k, v = (torch.randn(1, bh, seq, dim) for _ in range(3))
+    scale = dim**-0.5
+    out, lse = flash_attention(q, k, v, True, scale)
+    grad = torch.randn_like(out)
+    return (lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+            lambda: flash_attention_grads(grad, q, k, v, out, lse, True, scale))  # fmt: skip
 
 
 def host_times(*, chain: int = 200, target: float = 0.02, batches: int = 5) -> dict[str, tuple[float, float]]:

@@ -8,8 +8,10 @@ batch of each measurement (`compute.timed`: the one other processes disturbed le
   saturating curve `f / (f + half)` of `DeviceProfile.matmul_fraction`); `matmul_efficiency` is float32's
   `rate` over the best float32 throughput any product reached, `matmul_half` float32's `half`, and each
   dtype's `flops` its `rate / matmul_efficiency`, so that a large product of every dtype runs at its own rate;
-- **fused attention**: `fused_efficiency` is what torch's causal attention kernel reaches (FLOPs as the
-  closed form counts them), the median over sequence lengths, over float32's `flops`;
+- **fused attention**: `attention` holds what torch's causal flash attention kernel reaches, forward and
+  backward, on a grid of query lengths and head dims (FLOPs as the closed form counts them, over float32's
+  `flops`), which `DeviceProfile.attention_fraction` interpolates; `fused_efficiency`, for fused FLOPs of
+  no known shape, is the median forward call's;
 - **memory**: `memory_bandwidth` is the best streaming rate (copy or add into kept tensors) on 16 MiB
   tensors (`fit_memory`), and `memory_efficiency` what the ops that are not matrix products reach as a
   model runs them, over it (`fit_model_memory`: a 192-wide Llama's forward and backward on one rank, less
@@ -174,8 +176,9 @@ def fit_model_memory(model: dict, profile: DeviceProfile) -> float | None:
     """memory_efficiency from a model's forward and backward (`runtime.runtime_times`'s `model`): its fastest
     time less its products, fused attention and host time on `profile`, is the time of the bytes the dry
     run counts for its other ops. None where nothing is left (the products alone take the time)."""
-    rest = model["seconds"][0] - compute_time(
-        Compute(tuple(map(tuple, model["matmuls"])), model["flops"], 0.0, model["ops"]), profile, "float32")
+    work = Compute(tuple(map(tuple, model["matmuls"])), model["flops"], 0.0, model["ops"],
+                   attention=tuple(map(tuple, model["attention"])))  # fmt: skip
+    rest = model["seconds"][0] - compute_time(work, profile, "float32")
     if rest <= 0 or model["bytes"] <= 0:
         return None
     return min(1.0, model["bytes"] / rest / profile.memory_bandwidth)
@@ -192,10 +195,12 @@ def fit_drift(lockstep: dict) -> tuple[tuple[int, float], ...]:
     return tuple(rows)
 
 
-def fit_attention(rows, peak: float) -> float:
-    """fused_efficiency: the median over `(sequence, FLOPs, fastest, median)` rows of FLOPs / fastest, over
-    `peak` (float32's `flops`)."""
-    return min(1.0, statistics.median(f / t for _, f, t, _ in rows) / peak)
+def fit_attention(rows, peak: float) -> tuple[float, tuple[tuple[str, int, int, float], ...]]:
+    """(fused_efficiency, `DeviceProfile.attention` rows) from `compute.attention_times`'s `(pass, sequence,
+    head dim, batch·heads, FLOPs, fastest, median)` rows: each measured shape's FLOPs / fastest over `peak`
+    (float32's `flops`); fused_efficiency, for fused FLOPs of no known shape, the median forward one."""
+    table = tuple((p, s, d, min(1.0, f / t / peak)) for p, s, d, _, f, t, _ in rows)
+    return statistics.median(f for p, _, _, f in table if p == "forward"), table
 
 
 def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
@@ -212,6 +217,7 @@ def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
                 efficiency=tuple((k, b / top) for k, b in comm["bandwidth"].items()),
                 alphas=tuple(comm["alpha"].items()), tree=False, by_ranks=by_ranks["rows"])  # fmt: skip
     comm = {**comm, "one curve": comm["points"], "points": by_ranks["points"]}
+    fused, attention = fit_attention(m["attention"], flops["float32"])
     bandwidth, mem_eff = fit_memory(m["memory"])
     cache, cache_bandwidth = fit_cache(m["memory"], m["machine"].get("cache", 0))
     extra = {f"matmul_{what}.{d}": f[what] for what in ("rate", "half", "best") for d, f in mm.items()}
@@ -221,7 +227,7 @@ def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
         name=name, flops=tuple(flops.items()), matmul_efficiency=efficiency, matmul_half=mm["float32"]["half"],
         memory=_memory_bytes(), memory_bandwidth=bandwidth, memory_efficiency=mem_eff,
         cache=cache, cache_bandwidth=cache_bandwidth,
-        fused_efficiency=fit_attention(m["attention"], flops["float32"]), devices_per_node=max(m["ranks"]),
+        fused_efficiency=fused, attention=attention, devices_per_node=max(m["ranks"]),
         links=(link,), **_host(m, host), host_overlaps=False, cores=cores,
         sharing=tuple((w, n, v) for w, by_n in speed.items() for n, v in by_n.items() if n > 1),
         drift=fit_drift(m.get("lockstep", {})),

@@ -47,8 +47,8 @@ def measure(ranks: tuple[int, ...], *, quick: bool = False, progress=None) -> di
     sizes = compute.MEMORY_SIZES[:-1] if quick else compute.MEMORY_SIZES
     out["memory"] = _rank0(first, compute.memory_times, sizes, batches=batches)
     out["host"] = _rank0(first, compute.host_times, target=target, batches=batches)
-    seqs = (256, 1024) if quick else (256, 1024, 2048)
-    out["attention"] = _rank0(first, compute.attention_times, seqs, target=target, batches=batches)
+    seqs, dims = ((128, 512), (32, 128)) if quick else (compute.ATTENTION_SEQS, compute.ATTENTION_DIMS)
+    out["attention"] = _rank0(first, compute.attention_times, seqs, dims, target=target, batches=batches)
     say("host time per op of a compiled model's step (meshlib's runtime) on one rank")
     out["runtime"] = get_pool(1).run(runtime.runtime_times, target=target, batches=batches, timeout=_TIMEOUT)[0]
     reps = 4 if quick else 10

@@ -36,8 +36,8 @@ def runtime_times(*, target: float = 0.02, batches: int = 5, rounds: int = 3) ->
     - `graph_op`: the forward and backward of one microbatch over the ops the dry run counts in them;
     - `update_op`: one optimizer step (meshlib's AdamW over DTensor parameters) over its counted ops.
     Both also as `ops.graph`, `ops.update`: the counts (fastest = median). `model`: the `WIDE` Llama's forward
-    and backward, its `seconds` (fastest, median) and its dry run's `matmuls`, fused `flops`, other ops'
-    `bytes` and their count `ops`."""
+    and backward, its `seconds` (fastest, median) and its dry run's `matmuls`, fused attention calls
+    (`attention`) and other fused `flops`, other ops' `bytes` and their count `ops`."""
     from ..compiler.compile import compile_model
     from ..data import batch
     from ..models import build, config, default_rules, model_class
@@ -77,6 +77,7 @@ def runtime_times(*, target: float = 0.02, batches: int = 5, rounds: int = 3) ->
     passes = (wide.forward, wide.backward)
     model = {"seconds": seconds,
              "matmuls": [list(mm) for c in passes for mm in c.matmuls], "flops": sum(c.flops for c in passes),
+             "attention": [list(a) for c in passes for a in c.attention],
              "bytes": sum(c.bytes for c in passes), "ops": sum(c.ops for c in passes)}  # fmt: skip
     return {
         "graph_op": tuple(t / graph_ops for t in fb), "update_op": tuple(t / update_ops for t in up),

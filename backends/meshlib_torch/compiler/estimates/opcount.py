@@ -5,9 +5,10 @@ runs in (forward; backward; recompute, while a checkpointed layer replays its fo
 schedule's weight pass). An op with a FLOP formula in torch's registry (`torch.utils.flop_counter`: matrix
 products, attention kernels, convolutions) is a matrix product of that many FLOPs, reading and writing its
 inputs and outputs. CPU's fused attention kernel (`dryrun.cpu_attention`; torch's registry has no formula
-for it) is fused FLOPs, as `meshlib.transformer_work` counts a fused kernel: 2·(batch·heads)·s_q·s_k·(d + d_v),
-halved with the causal mask (the kernel skips the masked blocks), 2.5 times that in backward (which
-recomputes the scores); the time model prices these at the profile's `fused_efficiency`. Every other op
+for it) is a fused attention call (`Compute.attention`), its FLOPs as `meshlib.transformer_work` counts a fused
+kernel: 2·(batch·heads)·s_q·s_k·(d + d_v), halved with the causal mask (the kernel skips the masked blocks),
+2.5 times that in backward (which recomputes the scores); the time model prices each call at the profile's
+`attention_fraction` of its query length and head dim. Every other op
 moves its inputs' and outputs' bytes (a view moves none). The counts are `meshlib.Compute` values, one per
 pass, of one microbatch on one rank.
 """
@@ -35,13 +36,14 @@ _FREE = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided
          "_unsafe_view"}  # fmt: skip
 
 
-def _fused_attention(args, backward: bool) -> float:
-    """FLOPs of one call of CPU's flash attention kernel (forward or backward), as the closed form counts them."""
+def _fused_attention(args, backward: bool) -> tuple[float, int, int, bool]:
+    """One call of CPU's flash attention kernel (forward or backward) as `Compute.attention` keys it: its FLOPs,
+    as the closed form counts them, its query rows and its head dim."""
     q, k, v = args[1:4] if backward else args[:3]
     causal = args[7] if backward else (args[4] if len(args) > 4 else False)
     flops = 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
     flops *= 0.5 if causal else 1.0
-    return 2.5 * flops if backward else flops
+    return (2.5 * flops if backward else flops), int(q.shape[2]), int(q.shape[3]), backward
 
 
 _FUSED = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: False,
@@ -65,6 +67,7 @@ class OpCounter(TorchDispatchMode):
         self.phase: str | None = None
         self._matmuls: dict[str, dict[tuple[float, float], int]] = defaultdict(lambda: defaultdict(int))
         self._other: dict[str, list] = defaultdict(lambda: [0.0, 0.0, 0])
+        self._attention: dict[str, dict[tuple, int]] = defaultdict(lambda: defaultdict(int))
 
     def _pass(self) -> str:
         if self.phase is not None:
@@ -88,7 +91,7 @@ class OpCounter(TorchDispatchMode):
             other = self._other[where]
             other[2] += n
             if packet in _FUSED:
-                other[0] += n * _fused_attention(args, _FUSED[packet])
+                self._attention[where][_fused_attention(args, _FUSED[packet])] += n
             if name not in _FREE and not func.is_view:
                 other[1] += n * (_nbytes((args, kwargs)) + _nbytes(out))
         return out
@@ -99,6 +102,7 @@ class OpCounter(TorchDispatchMode):
             p: Compute(
                 tuple((f, b, n) for (f, b), n in self._matmuls.get(p, {}).items()),
                 *self._other.get(p, [0.0, 0.0, 0]),
+                attention=tuple((*key, n) for key, n in self._attention.get(p, {}).items()),
             )
             for p in passes
         }  # fmt: skip
