@@ -4,7 +4,8 @@
   fast as memory feeds it, whichever is slower; every other op takes its memory traffic's time, plus its
   FLOPs at `profile.fused_efficiency` of peak (fused kernels that are not plain products), a fused attention
   call's at `profile.attention_fraction` of its shape. The host's time per op is hidden behind the device's
-  where the host runs ahead (GPUs), added where it computes itself (CPUs). Ranks beyond a CPU host's cores share them.
+  where the host runs ahead (GPUs), added where it computes itself (CPUs). Ranks beyond a CPU host's cores
+  share them.
 - **Communication.** Each collective runs over the ranks its mesh axes span. Mesh axes map to links in
   row-major rank order, `profile.devices_per_node` consecutive ranks a node: a group within one node uses
   the inner link, any other the outer one. Time is alpha-beta: `steps * alpha + bus_bytes / bandwidth` (alpha
