@@ -180,7 +180,8 @@ class DeviceProfile:
       computing `work` ("matmul", "memory", "host") at once runs at `speed` times its speed alone. A kind of
       work with rows is priced by them (`share`), one without at `min(1, cores / N)`; `drift`: `(N, seconds)`
       rows: N such ranks computing between two collectives drift apart, as the scheduler serves them in
-      turns, by `sqrt(drift * compute)`, and each collective waits for the last of them (`lockstep_wait`);
+      turns, by `sqrt(drift * compute)`, and each collective (and each pipeline receive) waits for the last
+      of them (`lockstep_wait`);
     - `comm_oversubscription`: on such a host, a collective takes `(ranks / cores) ** comm_oversubscription`
       times its link's alpha-beta time while the ranks outnumber the cores (`comm_slowdown`; measured by
       `meshlib calibrate`, where gloo's steps wait for a rank to get a core; 0: no slowdown); where the link
