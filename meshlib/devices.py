@@ -323,6 +323,12 @@ class DeviceProfile:
                 f"device profile {data.get('name')!r} carries `lockstep` factors, which meshlib no longer reads "
                 "(collectives now wait by `drift`). Fix: run `meshlib calibrate` again to write it afresh"
             )
+        if str(data.get("source", "")).startswith("meshlib calibrate") and not data.get("attention"):
+            raise ValueError(
+                f"device profile {data.get('name')!r} was measured by a `meshlib calibrate` that did not time fused "
+                "attention by shape, so its attention calls would be priced at one figure read off other shapes "
+                "(2-2.4x fast at a small head dim). Fix: run `meshlib calibrate` again to write it afresh"
+            )
         links = tuple(Link(**{**link, "efficiency": tuple(map(tuple, link.get("efficiency", ()))),
                               "alphas": tuple(map(tuple, link.get("alphas", ()))),
                               "by_ranks": tuple(map(tuple, link.get("by_ranks", ())))})

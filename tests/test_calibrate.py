@@ -242,6 +242,20 @@ def test_attention_fraction_interpolates_the_grid_in_log_shape_and_holds_its_edg
         profile.replace(attention=rows[:3])
 
 
+def test_a_profile_an_older_calibrate_wrote_is_refused_naming_the_fix():
+    """A calibrated profile without the attention rows (or with the `lockstep` factors of before `drift`)
+    would price this machine with figures meshlib no longer reads: loading it says so and names the fix. A
+    profile written by hand (GPUs', without rows) loads, its attention at `fused_efficiency`."""
+    data = json.loads(device_profile("cpu").to_json())
+    assert data["source"].startswith("meshlib calibrate") and data["attention"]
+    with pytest.raises(ValueError, match=r"did not time fused attention by shape.*run `meshlib calibrate` again"):
+        DeviceProfile.from_json(json.dumps({**data, "attention": []}))
+    with pytest.raises(ValueError, match=r"`lockstep` factors.*run `meshlib calibrate` again"):
+        DeviceProfile.from_json(json.dumps({**data, "lockstep": [[4, 1.1]]}))
+    by_hand = DeviceProfile.from_json(json.dumps({**data, "attention": [], "source": "written by hand"}))
+    assert by_hand.attention_fraction(128, 16) == by_hand.fused_efficiency
+
+
 def test_collectives_are_priced_by_the_ranks_sharing_the_host():
     """`Link.by_ranks`: at a measured N its row; between two, alpha linear and bandwidth geometric in log N;
     past the last, the last row slowed by (N / N_last) ** comm_oversubscription; a group of fewer ranks takes
