@@ -36,21 +36,24 @@ __all__ = [
 COLLECTIVE_ALGORITHMS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 
 
-def _in_log_n(rows: list[tuple[int, float]], n: int, mix) -> float:
+def _in_log_n(rows: list[tuple[int, float]], n: float, mix) -> float:
     """The value at `n` of measured `(N, value)` rows sorted by N: `mix(v0, v1, x)` between the two rows around
-    it, with x its position between them in log N; past the last row, the last row's value."""
+    it, with x its position between them in log N; below the first row the first row's value, past the last
+    the last row's."""
+    if n <= rows[0][0]:
+        return rows[0][1]
     for (n0, v0), (n1, v1) in zip(rows, rows[1:]):
         if n <= n1:
             return mix(v0, v1, math.log(n / n0) / math.log(n1 / n0))
     return rows[-1][1]
 
 
-def _in_log(rows: list[tuple[int, float]], x: float) -> float:
-    """The value at `x` of `(X, value)` rows sorted by X, linear in log X between the two around it; below the
-    first row the first's value, past the last the last's."""
-    if x <= rows[0][0]:
-        return rows[0][1]
-    return _in_log_n(rows, x, lambda a, b, t: a + (b - a) * t)
+def _linear(a: float, b: float, x: float) -> float:
+    return a + (b - a) * x
+
+
+def _geometric(a: float, b: float, x: float) -> float:
+    return a ** (1 - x) * b**x
 
 
 @functools.lru_cache(maxsize=4096)  # a search prices the same few shapes for thousands of plans
@@ -60,8 +63,8 @@ def _attention_fraction(rows, fallback: float, queries: int, dim: int, backward:
     if not grid:
         return fallback
     dims = sorted({d for _, d in grid})
-    by_q = [(q, _in_log(sorted((d, grid[q, d]) for d in dims), dim)) for q in sorted({q for q, _ in grid})]
-    return _in_log(by_q, queries)
+    by_q = [(q, _in_log_n(sorted((d, grid[q, d]) for d in dims), dim, _linear)) for q in sorted({q for q, _ in grid})]
+    return _in_log_n(by_q, queries, _linear)
 
 
 def _attention_problems(rows) -> list[str]:
@@ -142,8 +145,8 @@ class Link:
             return self.alpha_for(kind), self.bus_bandwidth(kind), 0
         if ranks <= rows[0][0]:
             return rows[0][1], rows[0][2], rows[0][0]
-        alpha = _in_log_n([(n, a) for n, a, _ in rows], ranks, lambda u, v, x: u + (v - u) * x)
-        bandwidth = _in_log_n([(n, b) for n, _, b in rows], ranks, lambda u, v, x: u ** (1 - x) * v**x)
+        alpha = _in_log_n([(n, a) for n, a, _ in rows], ranks, _linear)
+        bandwidth = _in_log_n([(n, b) for n, _, b in rows], ranks, _geometric)
         return alpha, bandwidth, min(ranks, rows[-1][0])
 
 
@@ -276,7 +279,7 @@ class DeviceProfile:
         rows = [(1, 1.0)] + [(n, n * v) for w, n, v in self.sharing if w == work and n > 1]
         if len(rows) == 1:
             return min(1.0, self.cores / ranks)
-        return min(1.0, _in_log_n(rows, ranks, lambda a, b, x: a ** (1 - x) * b ** x) / ranks)
+        return min(1.0, _in_log_n(rows, ranks, _geometric) / ranks)
 
     def lockstep_wait(self, ranks: int, compute: float, collectives: float) -> float:
         """Seconds `ranks` ranks sharing this host's cores wait at `collectives` collectives spread over
@@ -286,7 +289,7 @@ class DeviceProfile:
         rows = [(1, 0.0)] + [(n, v) for n, v in self.drift if n > 1]
         if not self.cores or ranks <= 1 or len(rows) == 1 or collectives <= 0 or compute <= 0:
             return 0.0
-        return math.sqrt(_in_log_n(rows, ranks, lambda a, b, x: a + (b - a) * x) * compute * collectives)
+        return math.sqrt(_in_log_n(rows, ranks, _linear) * compute * collectives)
 
     def comm_slowdown(self, ranks: int, measured: int = 0) -> float:
         """How many times longer than its link's alpha-beta time a collective takes while `ranks` ranks share

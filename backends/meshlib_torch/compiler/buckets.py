@@ -68,7 +68,6 @@ class _Bucket:
 
     def __init__(self, index: int, params: list[torch.Tensor], group, axis: str):
         self.index, self.params, self.group, self.axis = index, params, group, axis
-        self.ready = 0  # how many of its gradients this backward has finished
 
 
 class Buckets:
