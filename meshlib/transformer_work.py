@@ -133,10 +133,9 @@ def _attention(shape, c, b: int, seq: int, e: int) -> tuple[tuple, Compute, Comp
     heads, sq, d, dv = b * shape.heads / t, seq // c.cp, shape.head_dim, shape.v_head_dim
     scores = heads * sq * seq
     if c.flash:  # one fused kernel, priced by its shape; backward recomputes the scores
-        f = 2.0 * scores * (d + dv) * 0.5  # causal: half the blocks
         io = e * (n * (q + o) + b * seq * kv) + 4 * heads * sq  # read q, k, v; write out and log-sum-exp
-        return (proj, Compute(bytes=io, ops=1, attention=((f, sq, d, False, 1),)),
-                Compute(bytes=2 * io, ops=1, attention=((2.5 * f, sq, d, True, 1),)))  # fmt: skip
+        fwd, bwd = (Compute.attention_call(heads, sq, seq, d, dv, backward=back) for back in (False, True))
+        return proj, Compute(bytes=io, ops=1, attention=(fwd,)), Compute(bytes=2 * io, ops=1, attention=(bwd,))
     qk, pv = _mm(sq, d, seq, e, batch=heads), _mm(sq, seq, dv, e, batch=heads)
     drop = (2 * e + 1) * scores if shape.dropout else 0.0
     fwd = 2 * e * scores + drop + 2 * e * n * o  # softmax, dropout, context transpose

@@ -71,6 +71,20 @@ class Compute:
             raise ValueError(f"Compute: flops={self.flops}, bytes={self.bytes}, ops={self.ops}, reused={self.reused} "
                              f"must be >= 0, attention={self.attention} (flops >= 0, queries and head dim >= 1)")
 
+    @staticmethod
+    def attention_call(heads: float, queries: int, keys: int, dim: int, v_dim: int, *, causal: bool = True,
+                       backward: bool = False) -> tuple[float, int, int, bool, int]:  # fmt: skip
+        """One fused attention call as `attention` counts it, `(flops, queries, dim, backward, 1)`: over `heads`
+        (batch times heads) of `queries` query rows against `keys` keys, the scores' and the context's
+        products, 2·heads·queries·keys·(dim + v_dim) FLOPs, halved under a causal mask (half the blocks),
+        2.5 times that in backward (the kernel recomputes the scores).
+
+        >>> Compute.attention_call(2, 128, 128, 64, 64)  # 2·2·128·128·128, halved
+        (4194304.0, 128, 64, False, 1)
+        """
+        flops = 2.0 * heads * queries * keys * (dim + v_dim) * (0.5 if causal else 1.0)
+        return (2.5 * flops if backward else flops), int(queries), int(dim), bool(backward), 1
+
     @property
     def matmul_flops(self) -> float:
         return sum(f * n for f, _, n in self.matmuls)

@@ -174,6 +174,29 @@ def test_adding_to_a_summed_gradient_is_refused():
     sync.finish()
 
 
+def test_summing_a_summed_gradient_again_is_refused():
+    """`finish()` (a pipeline's flush) right after a backward that summed would start every bucket again and
+    sum the sums: refused before any collective starts, naming the parameter. After the gradients are cleared
+    and refilled with the sync off, it sums them once: exactly twice the reference."""
+    model, params = _model()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    with _caps(64, 64):
+        sync, started = _doubling(params)
+    model(x).sum().backward()
+    started.clear()
+    with pytest.raises(RuntimeError, match=r"already holds its sum over 'dp'.*once per rank"):
+        sync.finish()
+    assert started == []
+    model.zero_grad(set_to_none=True)
+    sync.enabled = False
+    model(x).sum().backward()
+    sync.enabled = True
+    sync.finish()
+    for (name, p), want in zip(model.named_parameters(), reference):
+        torch.testing.assert_close(p.grad, 2 * want, rtol=0, atol=0, msg=name)
+
+
 def test_a_backward_after_one_that_raised_sums_afresh():
     """A backward that raises once some buckets have started never reaches its end: the next one waits for
     those sums, drops them and counts its own gradients afresh, so it sums every bucket once, in order, and

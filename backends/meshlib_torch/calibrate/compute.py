@@ -27,6 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshlib import Compute
+
 from ..torch_private import flash_attention, flash_attention_grads
 
 __all__ = [
@@ -157,18 +159,17 @@ def attention_times(seqs=ATTENTION_SEQS, dims=ATTENTION_DIMS, *, target: float =
     """`(pass, sequence, head dim, batch·heads, FLOPs, fastest, median seconds)` of one call of torch's causal
     fp32 flash attention kernel, forward (`F.scaled_dot_product_attention`, which runs it) and backward (the
     kernel's own backward op, which autograd runs on its saved output and log-sum-exp), on (1, batch·heads,
-    sequence, head dim) q, k and v, by `timed`, over the grid `seqs` x `dims`. FLOPs as
-    `meshlib.transformer_work` counts a fused kernel: 2·(batch·heads)·s²·2·dim, halved for the causal mask,
-    2.5 times that in backward."""
+    sequence, head dim) q, k and v, by `timed`, over the grid `seqs` x `dims`. FLOPs as the plan counts a
+    fused call (`meshlib.Compute.attention_call`)."""
     _pin()
     rows = []
     for seq in seqs:
         for dim in dims:
             bh = max(1, min(64, round(ATTENTION_FLOPS / (2.0 * seq * seq * dim))))
             forward, backward = _attention_calls(bh, seq, dim)
-            flops = 2.0 * bh * seq * seq * 2 * dim * 0.5
-            rows.append(("forward", seq, dim, bh, flops, *timed(forward, target=target, batches=batches)))
-            rows.append(("backward", seq, dim, bh, 2.5 * flops, *timed(backward, target=target, batches=batches)))
+            for name, call, back in (("forward", forward, False), ("backward", backward, True)):
+                flops = Compute.attention_call(bh, seq, seq, dim, dim, backward=back)[0]
+                rows.append((name, seq, dim, bh, flops, *timed(call, target=target, batches=batches)))
     return rows
 
 

@@ -142,6 +142,14 @@ class Buckets:
 
     def _start(self, bucket: _Bucket) -> tuple:
         grads = [None if p.grad is None else local_tensor(p.grad) for p in bucket.params]
+        for p, g in zip(bucket.params, grads):
+            if id(p) in self._summed and g is not None and bool(g.any()):  # no backward has cleared it since
+                raise RuntimeError(
+                    f"the gradient of {self.names[id(p)]!r} already holds its sum over {bucket.axis!r} (a "
+                    "`finish()`/`flush()` after a backward that summed, with no new gradient since): summed "
+                    "again it would count once per rank. Fix: sum once per step: flush only after backwards "
+                    "run with gradient sync off, and clear the gradients after each update (opt.zero_grad())"
+                )
         sizes = [local_tensor(p).numel() for p in bucket.params]
         buf = torch.empty(sum(sizes), dtype=self.reduce_dtype, device=local_tensor(bucket.params[0]).device)
         pieces = buf.split(sizes)

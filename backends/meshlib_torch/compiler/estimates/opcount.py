@@ -41,9 +41,9 @@ def _fused_attention(args, backward: bool) -> tuple[float, int, int, bool]:
     as the closed form counts them, its query rows and its head dim."""
     q, k, v = args[1:4] if backward else args[:3]
     causal = args[7] if backward else (args[4] if len(args) > 4 else False)
-    flops = 2.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
-    flops *= 0.5 if causal else 1.0
-    return (2.5 * flops if backward else flops), int(q.shape[2]), int(q.shape[3]), backward
+    call = Compute.attention_call(q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
+                                  causal=bool(causal), backward=backward)  # fmt: skip
+    return call[:4]
 
 
 _FUSED = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: False,
