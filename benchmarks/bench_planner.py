@@ -2,6 +2,7 @@
 
     python benchmarks/bench_planner.py cpu          # (a) predicted vs measured step time and peak, gloo ranks
     python benchmarks/bench_planner.py hf           # (a') the same for transformers' Llama, Qwen2 and GPT-2
+    python benchmarks/bench_planner.py cpu --installed-profile   # (a) on the installed profile, not a fresh one
     python benchmarks/bench_planner.py exhaustive   # (b) the search's best vs the exhaustive best
     python benchmarks/bench_planner.py scale        # (c) Llama-3-405B on 16,384 H100s, DeepSeek-V3 on 2,048
     python benchmarks/bench_planner.py all
@@ -13,6 +14,9 @@
     each; the peak by `PeakTracker`). The measured step is the fastest timed one, as the calibration reads
     the fastest batch of each micro-benchmark (other processes only ever add time); the median is beside
     it. Reported: each error, the mean and largest, and the Spearman correlation of the two rankings.
+    The profile is calibrated first, in the same run (`meshlib calibrate --ranks 2,4,8` into a temporary
+    `$MESHLIB_PROFILE_DIR`, about 2.5 minutes): this machine's speed drifts by 5-10% over hours, and a
+    profile measured at another time carries that drift into every row. `--installed-profile` skips it.
 (a') As (a), for transformers' Llama, Qwen2 and GPT-2 built from small configs with random weights (no
     download; `planner_worker.hf_model`, the tests' builders and rules): models meshlib did not write.
 (b) For small spaces (dense and MoE, short and long sequences), `meshlib.planner(...)[0]` against the best of
@@ -27,7 +31,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import planner_worker
@@ -301,13 +309,28 @@ def bench_scale() -> None:
                     "MFU (closed form / plan)", "GiB per rank (closed form / dry run)"), rows))  # fmt: skip
 
 
+def calibrate_beside() -> None:
+    """Calibrate the CPU profile now, into a temporary `$MESHLIB_PROFILE_DIR` that `device_profile("cpu")`
+    then reads: the predictions and the measured steps side by side, in one run."""
+    os.environ["MESHLIB_PROFILE_DIR"] = folder = tempfile.mkdtemp(prefix="meshlib-profile-")
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import sys; from meshlib.cli import main; main(sys.argv[1:])",
+                    "calibrate", "--ranks", "2,4,8", "--out", os.path.join(folder, "cpu.json")],
+                   check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    print(f"calibrated the CPU profile in this run ({time.perf_counter() - started:.0f} s): {folder}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=("cpu", "hf", "exhaustive", "scale", "all"))
     ap.add_argument("--quick", action="store_true", help="(a): a third of the configurations, fewer steps")
+    ap.add_argument("--installed-profile", action="store_true",
+                    help="(a), (a'): predict on the installed CPU profile instead of calibrating one first")
     args = ap.parse_args()
     print(describe(), "\n")
     torch.set_num_threads(1)
+    if args.part in ("cpu", "hf", "all") and not args.installed_profile:
+        calibrate_beside()
     if args.part in ("cpu", "all"):
         bench_cpu(args.quick)
     if args.part in ("hf", "all"):

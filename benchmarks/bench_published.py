@@ -176,7 +176,7 @@ def validation(results: list[tuple[Row, Prediction]]) -> tuple[list[str], list[l
 
 def choices(results: list[tuple[Row, Prediction]]) -> tuple[list[str], list[list[str]]]:
     """The search's best configuration per distinct setup, beside the published one."""
-    from meshlib.planner import search
+    from meshlib.planner import MESHLIB_RUNTIME, search
 
     header = ["setup", "published configuration", "predicted s", "search's best", "predicted s", "gain"]
     body, seen = [], set()
@@ -186,9 +186,8 @@ def choices(results: list[tuple[Row, Prediction]]) -> tuple[list[str], list[list
         if key in seen:
             continue
         seen.add(key)
-        run = {k: getattr(row.config, k) for k in ("flash", "dp_overlap", "zero1_overlap", "tp_overlap",  # published
-                                                    "async_p2p", "fused_accumulation", "reduce_dtype",
-                                                    "fused_elementwise", "recv_buffers", "main_grads")}  # fmt: skip
+        # the published run's runtime: every flag meshlib's runtime sets, and the rest it leaves at their defaults
+        run = {k: getattr(row.config, k) for k in (*MESHLIB_RUNTIME, "async_p2p", "reduce_dtype")}
         best = search(row.shape, devices=devices, batch=row.batch, seq=row.seq, profile=row.profile,
                       dtype=row.config.dtype, runtime=run, top=1)[0]  # fmt: skip
         mine = min((p for r, p in results if (r.shape, r.config.mesh.size, r.batch, r.seq) == key[:4]),

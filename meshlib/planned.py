@@ -104,6 +104,8 @@ def _stage(plan: Plan, r: int, m: int) -> StageWork:
             overlap = "backward" if c.op == GRAD_SYNC else ("forward" if c.phase != "optimizer" else "none")
             if c.reason.startswith("zero-1") and c.phase != "backward":  # in the optimizer step, after backward
                 overlap = "none"
+            if staged and c.op == GRAD_SYNC:  # after a stage's last backward (FSDP2) or the schedule (buckets)
+                overlap = "none"
             step.append(Comm(c.kind, c.axes, c.bytes, c.phase, c.count, overlap))
             fsdp = c.reason in ("zero-2", "zero-3") and c.kind in ("all_gather", "reduce_scatter")
             units.append(fsdp_unit(c.node) if fsdp else None)

@@ -41,13 +41,15 @@ __all__ = ["Candidate", "MESHLIB_RUNTIME", "SIMPLER", "search"]
 
 # how meshlib's torch runtime runs a step, where that changes its time (`transformer.StepConfig`'s flags):
 # fused attention (SDPA), gradient reductions and ZeRO's gathers overlapping compute (hooks, FSDP2) but
-# ZeRO-1's gathers (its optimizer step moves them) and its reduce-scatters under a pipeline (its schedule
-# runs every backward with the sync off), tensor-parallel collectives waiting for their matrix products,
-# receive buffers for every microbatch
+# ZeRO-1's gathers (its optimizer step moves them) and every gradient reduction under a pipeline (its
+# schedule runs every backward with the sync off: the sums follow a stage's last backward or the schedule),
+# tensor-parallel collectives waiting for their matrix products, autograd's add summing each microbatch's
+# weight gradients into the held ones, receive buffers for every microbatch
 # (torch 2.13's, the input's and the output gradient's; the torch backend says what the installed torch keeps:
 # `meshlib_torch.planner.torch_runtime`)
-MESHLIB_RUNTIME = {"flash": True, "dp_overlap": True, "zero1_overlap": "backward", "tp_overlap": "none",
-                   "fused_elementwise": False, "recv_buffers": 2, "main_grads": False}  # fmt: skip
+MESHLIB_RUNTIME = {"flash": True, "dp_overlap": True, "pp_dp_overlap": False, "zero1_overlap": "backward",
+                   "tp_overlap": "none", "fused_elementwise": False, "fused_accumulation": False, "recv_buffers": 2,
+                   "main_grads": False}  # fmt: skip
 GIB = 1 << 30
 _RECOMPUTE = ("none", "selective", "block")
 

@@ -205,6 +205,11 @@ class StepConfig:
       fused scale-mask-softmax, every product computed whole);
     - `dp_overlap`: gradient reductions run while backward still computes (bucketed DDP, FSDP) and ZeRO's
       parameter gathers are prefetched; False: they run after the pipeline flushes (Megatron-LM 2021-22);
+    - `pp_dp_overlap`: with `dp_overlap` and a pipeline, the gradient reductions of ZeRO-0 and ZeRO-2/3 run
+      behind each stage's last microbatch's backward (Megatron's `overlap_grad_reduce`); False: after that
+      backward (meshlib's runtime on torch's pipelining: ZeRO-0's buckets are summed after the schedule, and
+      FSDP2 reduce-scatters a stage's gradients once its last backward has returned), so the rank that
+      finishes the schedule last waits for them;
     - `zero1_overlap`: with `dp_overlap`, "all": ZeRO-1's reduce-scatters run behind backward and its
       gathers behind the next forward (Megatron's distributed optimizer, `overlap_grad_reduce` and
       `overlap_param_gather`); "backward": the reduce-scatters behind the last microbatch's backward where
@@ -246,6 +251,7 @@ class StepConfig:
     dtype: str = "bfloat16"
     flash: bool = True
     dp_overlap: bool = True
+    pp_dp_overlap: bool = True
     zero1_overlap: str = "all"
     tp_overlap: str = "none"
     reduce_dtype: str = "float32"
@@ -297,20 +303,23 @@ def workload(shape: ModelShape, config: StepConfig, *, batch: int, seq: int) -> 
 
 def compute_bound(shape: ModelShape, config: StepConfig, *, batch: int, seq: int, profile) -> float:
     """A lower bound on the step time of `config`: its busiest pipeline rank's forward and backward compute
-    over the step's microbatches, with no recompute, communication, bubble or optimizer (what every
-    configuration sharing its tp, cp, ep and microbatch computes at least). Cheap: the stages' compute is
-    cached (`_passes`)."""
+    over the step's microbatches and the adds accumulating their gradients in the compute dtype, with no
+    recompute, communication, bubble or optimizer (what every configuration sharing its tp, cp, ep and
+    microbatch computes at least). Cheap: the stages' compute is cached (`_passes`)."""
     from .predict import compute_time
 
     m = _check(shape, config, batch, seq)
     c = config if config.recompute == "none" else config.replace(recompute="none")
+    least = c.replace(zero=0, main_grads=False)  # the gradient accumulation's least bytes, whatever the ZeRO level
     v = c.chunks if c.pp > 1 else 1
     busiest = 0.0
     zbv = c.pp > 1 and resolve_schedule(c.schedule, c.chunks)[0] == "zbv"
     for r, chunks in enumerate(_work.layer_split(shape, c.pp, v, zbv)):
         dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
-        p = _passes(shape, c, c.microbatch, seq, dense, moe, r == 0, r == _head_rank("zbv" if zbv else "", c.pp))
-        t = compute_time(p.forward, profile, c.dtype) + compute_time(p.backward, profile, c.dtype)
+        first, last = r == 0, r == _head_rank("zbv" if zbv else "", c.pp)
+        p = _passes(shape, c, c.microbatch, seq, dense, moe, first, last)
+        added = _work.accumulation(sum(_work.stage_params(shape, c, dense, moe, embed=first, head=last)), least, m)
+        t = compute_time(p.forward, profile, c.dtype) + compute_time(p.backward + added, profile, c.dtype)
         busiest = max(busiest, t)
     return busiest * m
 
@@ -537,6 +546,8 @@ def _stage_of(shape: ModelShape, c: StepConfig, seq: int, m: int, first: bool, l
     dense, moe = sum(d for d, _ in chunks), sum(x for _, x in chunks)
     passes = _passes(shape, c, b, seq, dense, moe, first, last)
     params = _work.stage_params(shape, c, dense, moe, embed=first, head=last)
+    added = _work.accumulation(sum(params), c, m)  # per microbatch, in backward (in W where it runs apart)
+    passes = _work.Passes(passes.forward, passes.backward + added, passes.recompute, passes.weight + added)
     act, residue = (max(per) for per in _chunk_bytes(shape, c, seq, chunks))
     tied = shape.tied and c.pp > 1 and (first or last)
     work = StageWork(

@@ -120,7 +120,7 @@ def step_comm(params: tuple[float, float], c, m: int, *, tied: bool, embed_bytes
     """Per-step gradient sync and ZeRO's gathers for a rank holding `params` (outside, inside the experts)."""
     g, e = ITEMSIZE[c.reduce_dtype], ITEMSIZE[c.dtype]
     overlaps = c.dp_overlap and c.zero != 1
-    behind = "backward" if overlaps or zero1_in_backward(c) else "none"
+    behind = "backward" if (overlaps and (c.pp == 1 or c.pp_dp_overlap)) or zero1_in_backward(c) else "none"
     prefetch = "forward" if overlaps or (c.zero == 1 and c.dp_overlap and c.zero1_overlap == "all") else "none"
     out: list[Comm] = []
     for count, axes in ((params[0], _axes(c, "dp", "cp", "ep")), (params[1], _axes(c, "dp", "cp"))):

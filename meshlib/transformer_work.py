@@ -45,8 +45,8 @@ from .schedules import even_layers
 from .workload import Compute
 
 __all__ = [
-    "COMPUTE_FIELDS", "Passes", "chunk_activation", "chunk_weight_residue", "head_activation", "layer_split",
-    "stage_params", "stage_passes", "widths",
+    "COMPUTE_FIELDS", "Passes", "accumulation", "chunk_activation", "chunk_weight_residue", "head_activation",
+    "layer_split", "stage_params", "stage_passes", "widths",
 ]  # fmt: skip
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
@@ -81,21 +81,32 @@ def _mm(m: float, k: float, n: float, e: int, count: int = 1, batch: float = 1) 
     return 2.0 * m * k * n * batch, float(e) * batch * (m * k + k * n + m * n), count
 
 
-def _weights(gemms: tuple, c) -> tuple[tuple, tuple, float]:
+def _weights(gemms: tuple, c) -> tuple[tuple, tuple]:
     """Forward and backward products of weight matrices given as `(m, k, n, count)` (tokens, in, out): the
     forward and the input gradient read and write their operands; the weight gradient accumulates into a
-    `reduce_dtype` buffer, inside the product (read and write the buffer: `fused_accumulation`) or by a
-    separate add per microbatch (the product writes a compute-dtype gradient, the add reads it and the
-    buffer and writes the buffer). Returns (forward, backward, backward bytes outside the products)."""
+    `reduce_dtype` buffer inside the product (read and write the buffer: `fused_accumulation`), or the
+    product writes a compute-dtype gradient which a separate add sums into the one held
+    (`accumulation`, per step). Returns (forward, backward)."""
     e, g = ITEMSIZE[c.dtype], ITEMSIZE[c.reduce_dtype]
-    fwd, back, extra = [], [], 0.0
+    fwd, back = [], []
     for m, k, n, count in gemms:
         fwd.append(_mm(m, k, n, e, count))
         back.append(_mm(m, n, k, e, count))
         grad = e * (m * k + m * n) + (2 * g * k * n if c.fused_accumulation else e * k * n)
         back.append((2.0 * m * k * n, grad, count))
-        extra += 0.0 if c.fused_accumulation else (e + 2 * g) * k * n * count
-    return tuple(fwd), tuple(back), extra
+    return tuple(fwd), tuple(back)
+
+
+def accumulation(params: float, c, m: int) -> Compute:
+    """Per microbatch, the adds that sum a step's `m` microbatch gradients of `params` weights where the
+    product does not (`fused_accumulation` False: autograd's, adding each later microbatch's gradient into the
+    one held, m - 1 adds a step): each reads the new compute-dtype gradient and the held one and writes the
+    held one, in `reduce_dtype` where the runtime keeps main gradients or FSDP2 accumulates (ZeRO-2/3), else
+    in the compute dtype."""
+    if c.fused_accumulation:
+        return Compute()
+    e = ITEMSIZE[c.dtype]
+    return Compute.accumulation(params, m, e, ITEMSIZE[c.reduce_dtype] if c.main_grads or c.zero >= 2 else e)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,10 +189,10 @@ def _layer(shape, c, b: int, seq: int, moe: bool) -> _Layer:
 
 
 def _passes(layer: _Layer, c) -> Passes:
-    fwd, back, extra = _weights(layer.gemms, c)
+    fwd, back = _weights(layer.gemms, c)
     forward = Compute(fwd, bytes=layer.bytes_fwd, ops=20) + layer.core
-    weight = Compute(back[1::2], bytes=extra)
-    backward = Compute(back, bytes=layer.bytes_bwd + extra, ops=34) + layer.core_back
+    weight = Compute(back[1::2])
+    backward = Compute(back, bytes=layer.bytes_bwd, ops=34) + layer.core_back
     if c.recompute == "block":
         recompute = forward
     elif c.recompute == "selective" and not c.flash:
@@ -203,13 +214,12 @@ def _ends(shape, c, n: int, embed: bool, head: bool) -> Passes:
     if embed:
         f += e * n * h + (3 * e * rows * h if shape.positions else 0) + ((2 * e + 1) * rows * h if shape.dropout else 0)
         b_ += (e + 8) * n * h
-    extra = 0.0
     if head:
-        fwd_mm, back_mm, extra = _weights(((n, h, v, 1),), c)
+        fwd_mm, back_mm = _weights(((n, h, v, 1),), c)
         f += 2 * e * rows * h + (e + 20) * n * v
-        b_ += 6 * e * rows * h + (12 + e) * n * v + extra
+        b_ += 6 * e * rows * h + (12 + e) * n * v
     fwd = Compute(fwd_mm, bytes=f, ops=8)
-    weight = Compute(back_mm[1::2], bytes=extra)
+    weight = Compute(back_mm[1::2])
     return Passes(fwd, Compute(back_mm, bytes=b_, ops=8), Compute(), weight)  # recompute keeps to the layers
 
 

@@ -85,6 +85,20 @@ class Compute:
         flops = 2.0 * heads * queries * keys * (dim + v_dim) * (0.5 if causal else 1.0)
         return (2.5 * flops if backward else flops), int(queries), int(dim), bool(backward), 1
 
+    @staticmethod
+    def accumulation(elements: float, microbatches: int, new: int, held: int, tensors: int = 0) -> Compute:
+        """Per microbatch, the adds that sum a step's `microbatches` gradients of `elements` weights (in `tensors`
+        tensors) outside the products: autograd adds each later microbatch's gradient into the one held
+        (`new`-byte elements read, `held`-byte ones read and written), m - 1 adds a step.
+
+        >>> Compute.accumulation(1000, 4, 4, 4, tensors=2)  # 3/4 of 12 bytes an element, 3/4 of 2 adds
+        Compute(matmuls=(), flops=0.0, bytes=9000.0, ops=2, reused=(), attention=())
+        """
+        if microbatches <= 1:
+            return Compute()
+        share = (microbatches - 1) / microbatches
+        return Compute(bytes=share * (new + 2 * held) * elements, ops=round(share * tensors))
+
     @property
     def matmul_flops(self) -> float:
         return sum(f * n for f, _, n in self.matmuls)

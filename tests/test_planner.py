@@ -141,11 +141,13 @@ def test_a_space_where_nothing_fits_is_refused_naming_the_least_need():
                profile=A100, device_memory=2**20)  # a small model on small devices: its sizes, not 0.0 GiB
 
 
-@pytest.mark.parametrize("mesh, options", [(dict(dp=2, tp=2, pp=1), {}), (dict(dp=1, tp=2, pp=2), {"microbatches": 2})])
+@pytest.mark.parametrize("mesh, options", [(dict(dp=2, tp=2, pp=1), {}), (dict(dp=1, tp=2, pp=2), {"microbatches": 2}),
+                                           (dict(dp=2, tp=1, pp=2), {"microbatches": 2})])  # fmt: skip
 def test_a_compiled_plan_computes_and_moves_what_the_closed_form_says(mesh, options):
     """llama-small, 8 x 128 tokens, fp32: each rank's forward and backward matrix-product FLOPs per microbatch
     (the dry run's count) equal the closed form's; so do the per-microbatch tensor-parallel bytes, the
-    per-step data-parallel bytes where the mesh has them, and the bytes a pipeline stage sends on."""
+    per-step data-parallel bytes where the mesh has them, what those run behind (under a pipeline, nothing:
+    the buckets are summed after the schedule), and the bytes a pipeline stage sends on."""
     batch, seq = 8, 128
     model = models.build("llama-small")
     m = options.get("microbatches", 1)
@@ -165,12 +167,39 @@ def test_a_compiled_plan_computes_and_moves_what_the_closed_form_says(mesh, opti
             assert tp(a) == tp(b)
         dp = lambda stage: sum(c.bytes * c.count for c in stage.step_comm if c.axes == ("dp",))  # noqa: E731
         assert dp(a) == dp(b)
+        behind = lambda stage: {c.overlap for c in stage.step_comm if c.axes == ("dp",)}  # noqa: E731
+        assert behind(a) == behind(b) == (set() if mesh["dp"] == 1 else {"none"} if mesh["pp"] > 1 else {"backward"})
         # what a stage sends on per microbatch: the replicated hidden state, whole (no sequence parallelism);
         # the plan also sends the targets on (B*S int64: 4,096 bytes here), which the closed form leaves out
         assert a.send == pytest.approx(b.send, rel=0.01)
     # MFU's model FLOPs: the closed form counts causal attention whole, as the papers report MFU; the plan counts
     # what its kernels do (torch's FLOP registry), the loss besides
     assert closed.model_flops == pytest.approx(plan.model_flops, rel=0.1)
+
+
+def test_a_plan_counts_the_adds_that_accumulate_microbatch_gradients():
+    """Gradient accumulation over 4 microbatches of 2 sequences against one batch of 2: each microbatch
+    computes the same, and autograd adds 3 of the 4 gradients of every weight into the one held (read both,
+    write one: 12 bytes an fp32 element), which the plan counts as 3/4 of that per microbatch; the closed
+    form for meshlib's runtime counts the same bytes."""
+    model = models.build("llama-small")
+    mesh = Mesh(dp=1)
+    rules = models.default_rules("llama-small", mesh)
+
+    def backward(batch: int, m: int):
+        tokens = torch.zeros(batch, 128, dtype=torch.long)
+        plan = compile_model(model, mesh=mesh, rules=rules, example_inputs=(tokens, tokens), estimate_memory=True,
+                             microbatches=m).plan  # fmt: skip
+        return plan.compute[0].backward
+
+    one, four = backward(2, 1), backward(8, 4)
+    elements = sum(p.numel() for p in model.parameters())
+    assert four.matmuls == one.matmuls and four.flops == one.flops
+    assert four.bytes - one.bytes == pytest.approx(0.75 * 12 * elements, rel=1e-9)
+    assert four.ops - one.ops == round(0.75 * len(list(model.parameters())))
+    config = StepConfig(dp=1, tp=1, pp=1, microbatch=2, dtype="float32", **RUNTIME)
+    closed = [workload(model_shape(model), config, batch=b, seq=128).stages[0].backward.bytes for b in (2, 8)]
+    assert closed[1] - closed[0] == pytest.approx(0.75 * 12 * elements, rel=1e-3)  # its parameter count
 
 
 def test_a_plans_prediction_is_printed_and_kept_in_its_json(tmp_path, capsys):

@@ -21,6 +21,7 @@ from ..experts.dispatch import assumed_load
 from .capture.call import Call, LossSpec, bind_call
 from .capture.moe import expert_modules
 from .estimates.records import step_collectives
+from .estimates.stepmem import accumulation_compute
 from .graph import compile_graph
 from .pipeline.compile import compile_pipeline
 from .placement.placements import Shard
@@ -74,7 +75,10 @@ def compile_model(
             compiled = compile_graph(model, call.micro(m), mesh=mesh, rules=rules, options=par,
                                      estimate_memory=estimate_memory)  # fmt: skip
             compiled = dataclasses.replace(compiled, microbatches=m)
-            plan = compiled.plan.replace(collectives=tuple(step_collectives(compiled, m)), microbatches=m)
+            compute = tuple(dataclasses.replace(c, backward=c.backward + accumulation_compute(
+                compiled, compiled.traced.params, m)) for c in compiled.plan.compute)  # fmt: skip
+            plan = compiled.plan.replace(collectives=tuple(step_collectives(compiled, m)), microbatches=m,
+                                         compute=compute)  # fmt: skip
             compiled = dataclasses.replace(compiled, plan=plan)
     _check_axes_used(compiled, pipe.pp_axis, par.idle_axes)
     _check_fsdp_axes(compiled)

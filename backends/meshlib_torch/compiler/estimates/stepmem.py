@@ -21,7 +21,7 @@ from meshlib import Compute
 
 from ...memtrack import PeakTracker
 from ..placement.placements import zero1_shard_dim
-from ..program import Compiled, shard_axes, shard_ranks, zero1_args, zero1_in_backward, zero1_pieces
+from ..program import Compiled, fsdp_whole, shard_axes, shard_ranks, zero1_args, zero1_in_backward, zero1_pieces
 from ..zero1_buckets import DataGroup, Zero1Buckets
 from .opcount import OpCounter
 
@@ -114,6 +114,23 @@ class _DryWork:
             torch.empty_like(self.copied)  # held while the sum runs, then freed
 
 
+def accumulation_compute(compiled: Compiled, names, m: int) -> Compute:
+    """Per microbatch, autograd's adds summing a step's `m` microbatch gradients of the trained parameters
+    among `names` (`meshlib.Compute.accumulation`: the first is kept, each later one added), which a one
+    microbatch dry run does not meet: into gradients in the parameter dtype, or where FSDP2 accumulates
+    them (ZeRO-2/3, the sync off) in the reduce dtype."""
+    opts, params = compiled.options, compiled.traced.params
+    new, reduce = (getattr(torch, d).itemsize for d in (opts.precision.param, opts.precision.reduce))
+    whole = fsdp_whole(compiled) if opts.zero >= 2 else set()
+    held: dict[int, tuple[int, int]] = {}  # the held gradients' itemsize: (elements, tensors)
+    for n in names:
+        if params[n].requires_grad:
+            size = reduce if opts.zero >= 2 and n not in whole else new
+            elements, tensors = held.get(size, (0, 0))
+            held[size] = (elements + math.prod(compiled.local_param_shape(n)), tensors + 1)
+    return sum((Compute.accumulation(e, m, new, size, t) for size, (e, t) in held.items()), Compute())
+
+
 def optimizer_compute(compiled: Compiled, names=None) -> Compute:
     """What the update computes on a rank holding the parameters `names` (all by default): torch's AdamW, one
     tensor at a time, run on meta tensors of each master's size and counted op by op (`opcount.OpCounter`).
@@ -181,4 +198,4 @@ def _update_peak(sizes: list[int], dtype: torch.dtype) -> int:
     return tracker.peak - base
 
 
-__all__ = ["dry_zero1", "optimizer_compute", "step_extra"]
+__all__ = ["accumulation_compute", "dry_zero1", "optimizer_compute", "step_extra"]

@@ -27,7 +27,7 @@ from ..capture.call import Call
 from ..capture.trace import Untraceable
 from ..estimates.dryrun import stage_peaks
 from ..estimates.records import dp_collectives, graph_collectives
-from ..estimates.stepmem import optimizer_compute
+from ..estimates.stepmem import accumulation_compute, optimizer_compute
 from ..graph import compile_graph
 from ..program import Compiled, EagerStages, TracedStages, fsdp_whole, model_state
 from .costs import graph_costs, layer_costs, stage_ranges
@@ -149,9 +149,11 @@ def stage_memory(compiled, stages, core, estimate: bool = False) -> tuple[tuple[
     for r, names in enumerate(placed):
         mine = [c for c, rank in zip(per_stage, core.placement) if rank == r]
         weights = [c.weight for c in mine if c.weight is not None]
+        added = accumulation_compute(compiled, names, core.m)  # in the weight pass where it runs apart
         compute.append(StageCompute(
-            sum((c.forward for c in mine), Compute()), sum((c.backward for c in mine), Compute()),
-            sum((c.recompute for c in mine), Compute()), sum(weights, Compute()) if weights else None,
+            sum((c.forward for c in mine), Compute()), sum((c.backward for c in mine), Compute()) + (
+                Compute() if weights else added),
+            sum((c.recompute for c in mine), Compute()), sum(weights, added) if weights else None,
             optimizer_compute(compiled, names),
         ))  # fmt: skip
     return tuple(out), tuple(compute)
