@@ -222,7 +222,8 @@ class StepConfig:
     - `main_grads`: below ZeRO-2 each rank keeps its gradients in `reduce_dtype` (Megatron's main grads);
       False: in the compute dtype (meshlib's runtime at ZeRO-0/1). ZeRO-2/3 keep `reduce_dtype` shards;
     - `fused_accumulation`: the weight-gradient product adds into that buffer itself (Megatron's gradient
-      accumulation fusion, from February 2022); False: a separate add per weight and microbatch;
+      accumulation fusion, from February 2022); False: a separate add per weight and every microbatch but
+      the first (autograd's, as meshlib's runtime runs: `transformer_work.accumulation`);
     - `fused_elementwise`: RMSNorm and SwiGLU are fused kernels that keep only their inputs for backward
       (Megatron, TransformerEngine); False: they run as separate ops (meshlib's bundled Llama, torch eager),
       and each RMSNorm keeps its normalized input and SwiGLU its gate's activation as well;
