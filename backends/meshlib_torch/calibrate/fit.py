@@ -1,7 +1,8 @@
 """From raw measurements (`measure.measure`) to a `DeviceProfile`: one set of constants for this host's ranks.
 
 Each figure is read off its own micro-benchmark, never off a training configuration, and from the fastest
-batch of each measurement (`compute.timed`: the one other processes disturbed least):
+batch of each measurement (`compute.timed`: the one other processes disturbed least), but the collectives'
+(below):
 
 - **matrix products**: per dtype, the time of a product of f FLOPs less the host's dispatch of one
   (`host["matmul"]`) is fitted as `(f + half) / rate` (weighted least squares on relative error: the
@@ -31,7 +32,13 @@ batch of each measurement (`compute.timed`: the one other processes disturbed le
   all-reduce alone is the wait `sqrt(drift * s)`, fitted by least squares (`fit_drift`);
 - **the link**: `steps * alpha + bus / bandwidth`, `meshlib.predict.comm_time`'s formula, per kind and per
   number N of ranks sharing the host (`Link.by_ranks`, `fit_by_ranks`): each measured at N ranks, fitted by
-  least squares on relative error to that N's points. One curve for every N, its time multiplied by
+  least squares on relative error to that N's points, each point its median batch (the slowest rank's mean
+  over 0.1 s of calls). Ranks sharing cores wait on the scheduler inside every call, so a call swings 1.5-3x
+  from one to the next, and the fastest of five batches reads 4-70% under the median (4 ranks, 1 KiB to
+  1 MiB). A step sums tens of calls and pays their typical time: on this session's three side-by-side
+  runs of the planner table, fits to the fastest batch predicted the collectives' rows 10-25% fast, fits to
+  the median brought the mean error from 11.3%, 7.5% and 7.9% to 8.9%, 6.7% and 3.4% (benchmarks/README.md,
+  Planner section). One curve for every N, its time multiplied by
   `max(1, N / cores) ** comm_oversubscription`, misses them by up to 2x (gloo's 1 KiB all-reduce takes
   0.3 ms on 2 ranks of 2 cores, 5 ms on 4, 9 ms on 8; the power law says 0.4, 2.5, 11.6): that fit
   (`fit_link`, the exponent on a grid from 0 to 2 by 0.05 for the smallest squared log error) gives the
@@ -210,7 +217,7 @@ def fit_profile(m: dict, name: str = "cpu") -> tuple[DeviceProfile, dict]:
     efficiency = min(1.0, mm["float32"]["rate"] / mm["float32"]["best"])
     flops = {d: f["rate"] / efficiency for d, f in mm.items()}
     cores, speed = fit_cores(m["busy"], m["machine"]["cores"])
-    points = [tuple(p[:4]) for p in m["collectives"]]
+    points = [(kind, n, nbytes, median) for kind, n, nbytes, _, median in m["collectives"]]  # see the docstring
     comm, by_ranks = fit_link(points, cores), fit_by_ranks(points)
     top = max(comm["bandwidth"].values())
     link = Link("loopback", alpha=comm["alpha"].get("all_reduce", min(comm["alpha"].values())), bandwidth=top,

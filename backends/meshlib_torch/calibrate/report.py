@@ -155,9 +155,9 @@ _COMM_COLUMNS = ("kind", "ranks", "smallest", "largest", "payload GB/s (largest)
 def _collectives(cal) -> Table:
     link = cal.fits["link"]
     groups = defaultdict(list)
-    median = {tuple(p[:3]): p[4] for p in cal.measurements["collectives"]}
-    for kind, n, nbytes, t, fitted in link["points"]:
-        groups[(kind, n)].append((nbytes, t, fitted, median[(kind, n, nbytes)] / t))
+    fastest = {tuple(p[:3]): p[3] for p in cal.measurements["collectives"]}
+    for kind, n, nbytes, t, fitted in link["points"]:  # t: the median batch, which the link is fitted to
+        groups[(kind, n)].append((nbytes, t, fitted, t / fastest[(kind, n, nbytes)]))
     rows = []
     for (kind, n), pts in sorted(groups.items()):
         pts.sort()
@@ -166,7 +166,7 @@ def _collectives(cal) -> Table:
                      f"{b1 / t1 / 1e9:.3f}", _ratios([(t, f) for _, t, f, _ in pts]),
                      f"{max(p[3] for p in pts):.2f}"))  # fmt: skip
     return Table(
-        "collectives (gloo, this host): time per call, the slowest rank, the fastest batch",
+        "collectives (gloo, this host): time per call, the slowest rank, the median batch",
         _COMM_COLUMNS,
         rows,
         "fitted: steps x alpha + bus bytes / bandwidth, per kind and N ranks on the host (by_ranks); "
