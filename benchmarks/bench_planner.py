@@ -12,8 +12,9 @@
     (`meshlib.predict_plan(plan, "cpu")`), and its dry run predicts the peak per rank; the same configuration
     then trains on real ranks (`planner_worker.measure`: warm-up steps, then timed steps, the slowest rank's
     each; the peak by `PeakTracker`). The measured step is the fastest timed one, as the calibration reads
-    the fastest batch of each micro-benchmark (other processes only ever add time); the median is beside
-    it. Reported: each error, the mean and largest, and the Spearman correlation of the two rankings.
+    the fastest batch of each one-rank micro-benchmark (other processes only ever add time; a step, like the
+    collectives' median batch, already sums tens of calls); the median is beside it. Reported: each error,
+    the mean and largest, and the Spearman correlation of the two rankings.
     The profile is calibrated first, in the same run (`meshlib calibrate --ranks 2,4,8` into a temporary
     `$MESHLIB_PROFILE_DIR`, about 2.5 minutes): this machine's speed drifts by 5-10% over hours, and a
     profile measured at another time carries that drift into every row. `--installed-profile` skips it.
