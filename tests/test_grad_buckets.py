@@ -137,18 +137,31 @@ def _model():
     return model, dict(model.named_parameters()) | {"unused": unused}
 
 
-def test_a_backward_returns_with_every_gradient_summed_and_unused_ones_left_alone():
-    """Buckets of 64 bytes (8 doubles), in one process: each gradient comes back doubled (two ranks' sum),
-    the buckets start in reverse registration order, and a parameter backward never reached keeps no
-    gradient while its bucket is still summed (zeros, so every rank issues the same collectives)."""
+def _bucketed(unused: bool = True):
+    """`_model()`'s model and parameters (without the unused one: `unused=False`), an input, the gradients one
+    process computes for it, and `_doubling` buckets of 64 bytes (8 doubles) over those parameters."""
     model, params = _model()
+    params = params if unused else dict(model.named_parameters())
     x = torch.randn(5, 4, dtype=torch.float64)
     reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
     with _caps(64, 64):
         sync, started = _doubling(params)
-    model(x).sum().backward()
+    return model, params, x, reference, sync, started
+
+
+def _assert_doubled(model, reference) -> None:
+    """Every gradient exactly twice the one-process reference: two ranks' sum."""
     for (name, p), want in zip(model.named_parameters(), reference):
         torch.testing.assert_close(p.grad, 2 * want, rtol=0, atol=0, msg=name)
+
+
+def test_a_backward_returns_with_every_gradient_summed_and_unused_ones_left_alone():
+    """Buckets of 64 bytes (8 doubles), in one process: each gradient comes back doubled (two ranks' sum),
+    the buckets start in reverse registration order, and a parameter backward never reached keeps no
+    gradient while its bucket is still summed (zeros, so every rank issues the same collectives)."""
+    model, params, x, reference, sync, started = _bucketed()
+    model(x).sum().backward()
+    _assert_doubled(model, reference)
     assert params["unused"].grad is None
     assert started == [len(b.params) for b in sync.buckets] and len(started) == len(sync.buckets) >= 4
     assert any(p is params["unused"] for p in sync.buckets[0].params)  # registered last: in the first bucket
@@ -158,10 +171,7 @@ def test_adding_to_a_summed_gradient_is_refused():
     """A second backward with the sync on, without clearing the gradients between, would add to a sum and
     sum it again (n times the first part): refused, naming the parameter and the fix. Cleared (None, or
     zeroed in place), the next backward sums again."""
-    model, params = _model()
-    x = torch.randn(5, 4, dtype=torch.float64)
-    with _caps(64, 64):
-        sync, _ = _doubling(params)
+    model, _, x, _, sync, _ = _bucketed()
     model(x).sum().backward()
     with pytest.raises(RuntimeError, match=r"already summed over 'dp'.*zero_grad"):
         model(x).sum().backward()
@@ -178,11 +188,7 @@ def test_summing_a_summed_gradient_again_is_refused():
     """`finish()` (a pipeline's flush) right after a backward that summed would start every bucket again and
     sum the sums: refused before any collective starts, naming the parameter. After the gradients are cleared
     and refilled with the sync off, it sums them once: exactly twice the reference."""
-    model, params = _model()
-    x = torch.randn(5, 4, dtype=torch.float64)
-    reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
-    with _caps(64, 64):
-        sync, started = _doubling(params)
+    model, _, x, reference, sync, started = _bucketed()
     model(x).sum().backward()
     started.clear()
     with pytest.raises(RuntimeError, match=r"already holds its sum over 'dp'.*once per rank"):
@@ -193,8 +199,7 @@ def test_summing_a_summed_gradient_again_is_refused():
     model(x).sum().backward()
     sync.enabled = True
     sync.finish()
-    for (name, p), want in zip(model.named_parameters(), reference):
-        torch.testing.assert_close(p.grad, 2 * want, rtol=0, atol=0, msg=name)
+    _assert_doubled(model, reference)
 
 
 def test_a_backward_after_one_that_raised_sums_afresh():
@@ -202,11 +207,7 @@ def test_a_backward_after_one_that_raised_sums_afresh():
     those sums, drops them and counts its own gradients afresh, so it sums every bucket once, in order, and
     its gradients are exactly the two ranks' sum. (Counted on, the stale counts would start buckets before
     their gradients were in, and refuse the rest as late.)"""
-    model, _ = _model()
-    x = torch.randn(5, 4, dtype=torch.float64)
-    reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
-    with _caps(64, 64):
-        sync, started = _doubling(dict(model.named_parameters()))  # every parameter trained: buckets start early
+    model, _, x, reference, sync, started = _bucketed(unused=False)  # every one trained: buckets start early
     first = model[0].weight  # the gradient backward makes last: raise there, after later buckets started
     handle = first.register_hook(lambda g: (_ for _ in ()).throw(ValueError("stop")))
     with pytest.raises(ValueError, match="stop"):
@@ -217,8 +218,7 @@ def test_a_backward_after_one_that_raised_sums_afresh():
     started.clear()
     model(x).sum().backward()
     assert started == [len(b.params) for b in sync.buckets]
-    for (name, p), want in zip(model.named_parameters(), reference):
-        torch.testing.assert_close(p.grad, 2 * want, rtol=0, atol=0, msg=name)
+    _assert_doubled(model, reference)
 
 
 class _caps:
