@@ -35,8 +35,8 @@ batch of each measurement (`compute.timed`: the one other processes disturbed le
   least squares on relative error to that N's points, each point its median batch (the slowest rank's mean
   over 0.1 s of calls). Ranks sharing cores wait on the scheduler inside every call, so a call swings 1.5-3x
   from one to the next, and the fastest of five batches reads 4-70% under the median (4 ranks, 1 KiB to
-  1 MiB). A step sums tens of calls and pays their typical time: on this session's three side-by-side
-  runs of the planner table, fits to the fastest batch predicted the collectives' rows 10-25% fast, fits to
+  1 MiB). A step sums tens of calls and pays their typical time: on three side-by-side runs of the
+  planner table (2026-11-29), fits to the fastest batch predicted the collectives' rows 10-25% fast, fits to
   the median brought the mean error from 11.3%, 7.5% and 7.9% to 8.9%, 6.7% and 3.4% (benchmarks/README.md,
   Planner section). One curve for every N, its time multiplied by
   `max(1, N / cores) ** comm_oversubscription`, misses them by up to 2x (gloo's 1 KiB all-reduce takes
